@@ -1,0 +1,50 @@
+"""The one error hierarchy of gradagg.
+
+Every contract violation is a :class:`GradaggError`, which subclasses
+``ValueError`` so that callers who already catch ``ValueError`` keep working.
+A message always says *where* (row, column, microbatch, rank) and *what*
+(both values involved), e.g. ``"row 17: gradient has length 3, expected 4
+(from row 0)"``.
+"""
+
+from __future__ import annotations
+
+
+class GradaggError(ValueError):
+    """Base class of every error gradagg raises for bad input or a broken contract."""
+
+
+class RowShapeError(GradaggError):
+    """A row has the wrong number of fields, or a microbatch the wrong number of values."""
+
+
+class GradientTypeError(GradaggError):
+    """A gradient (or microbatch value) is not a number: a string, a bool, a dict..."""
+
+
+class GradientShapeError(GradaggError):
+    """Vector gradients of one shard differ in length, or a scalar meets a vector."""
+
+
+class IdError(GradaggError):
+    """A shard, worker or owner id is missing (None) or of an unsupported type."""
+
+
+class UnorderableShardError(GradaggError):
+    """Two shard ids cannot be ordered against each other (e.g. ``1`` and ``"a"``)."""
+
+
+class NonFiniteGradientError(GradaggError):
+    """A counted gradient is NaN or infinite and the caller asked for an error."""
+
+
+class FormatError(GradaggError):
+    """An input file cannot be parsed in the chosen format."""
+
+
+class CollectiveError(GradaggError):
+    """Ranks of a process group disagree, or a collective failed or timed out."""
+
+
+class WindowError(GradaggError):
+    """An accumulation window is in a state that forbids the requested step."""
