@@ -20,6 +20,14 @@ $(BENCH_STAMP): $(DEV_STAMP) requirements-bench.txt
 	touch $@
 
 demo: $(DEV_STAMP)
+	@echo "== owner-only shard reduction: examples/owner_rows.json"
+	$(VENV)/bin/gradagg owner-sum examples/owner_rows.json
+	@echo "== microbatch mean: examples/microbatches.json"
+	$(VENV)/bin/gradagg mean examples/microbatches.json
+	@echo "== every contract check (JSON in out/verify.json)"
+	@mkdir -p out
+	$(VENV)/bin/gradagg verify > out/verify.json && echo "verify: all checks passed"
+	@echo "== distributed training on 2 local processes against the full-batch gradient"
 	$(VENV)/bin/gradagg demo
 
 test: $(DEV_STAMP)

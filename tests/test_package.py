@@ -1,0 +1,32 @@
+"""Packaging promises: a light import, type information, and a README whose example runs."""
+
+from __future__ import annotations
+
+import doctest
+import subprocess
+import sys
+from pathlib import Path
+
+import gradagg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_gradagg_loads_no_heavy_framework() -> None:
+    """`import gradagg` (and the CLI module) must not pull in numpy, torch, pyarrow or pandas."""
+    code = (
+        "import sys, gradagg, gradagg.cli; "
+        "print(sorted(m for m in ('numpy', 'torch', 'pyarrow', 'pandas', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_py_typed_is_shipped() -> None:
+    assert (Path(gradagg.__file__).parent / "py.typed").exists()
+
+
+def test_readme_example_runs() -> None:
+    """The README's `>>>` example is executed as a doctest, so it cannot drift from the code."""
+    failures, tried = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert tried >= 3 and failures == 0
