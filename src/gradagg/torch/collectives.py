@@ -1,0 +1,283 @@
+"""Thin named collectives over one private reducer, counted.
+
+Every collective gradagg issues goes through :func:`_reduce` (tensors) or
+:func:`all_gather_object` (small Python objects), so that
+
+* one code path serves one process and many: ``group=None`` means what it means
+  in :mod:`torch.distributed` (the default group) when a process group is
+  initialised, and with no process group at all the call is a no-op (one
+  process, no communication), as torchtitan's ``dist_sum`` over
+  ``_dist_reduce_tensor``;
+* a failed or timed-out collective becomes a :class:`~gradagg.errors.CollectiveError`
+  naming the rank and the operation, instead of a bare backend ``RuntimeError``;
+* tests and benchmarks can count what was sent: :func:`count_collectives`.
+
+Only collectives that actually communicate are counted: with no process group
+the count stays 0, which is how the tests show "no communication".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradagg.errors import CollectiveError
+
+Group = Any  # a torch.distributed ProcessGroup, or None for the default group
+
+
+@dataclass
+class CollectiveCount:
+    """Collectives issued inside one :func:`count_collectives` block.
+
+    Attributes:
+        by_op: number of calls per operation name, e.g. ``{"all_reduce": 1}``.
+        elements: number of tensor elements sent per operation name (objects: 0).
+    """
+
+    by_op: Counter[str] = field(default_factory=Counter)
+    elements: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        """All collectives counted, whatever the operation."""
+        return sum(self.by_op.values())
+
+
+_counters: list[CollectiveCount] = []
+_counters_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCount]:
+    """Count the collectives gradagg issues inside the block (nested blocks all count).
+
+    Returns:
+        A context manager yielding a :class:`CollectiveCount` that fills as collectives run.
+
+    >>> with count_collectives() as c:
+    ...     _ = all_reduce_sum(torch.ones(3))  # no process group: no communication
+    >>> c.total
+    0
+    """
+    counter = CollectiveCount()
+    with _counters_lock:
+        _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        with _counters_lock:
+            _counters.remove(counter)
+
+
+def _record(op: str, elements: int) -> None:
+    with _counters_lock:
+        for counter in _counters:
+            counter.by_op[op] += 1
+            counter.elements[op] += elements
+
+
+def is_distributed(group: Group = None) -> bool:
+    """Whether collectives on ``group`` communicate (a process group is initialised).
+
+    >>> is_distributed()  # a plain process
+    False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Group = None) -> int:
+    """This process's rank in ``group``; 0 with no process group.
+
+    >>> get_rank()
+    0
+    """
+    return dist.get_rank(group) if is_distributed(group) else 0
+
+
+def get_world_size(group: Group = None) -> int:
+    """Number of ranks in ``group``; 1 with no process group.
+
+    >>> get_world_size()
+    1
+    """
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def device_for(group: Group = None) -> torch.device:
+    """The device a collective buffer must live on for ``group``'s backend.
+
+    NCCL only moves CUDA tensors (on the current device, which the caller set
+    with ``torch.cuda.set_device``); gloo and the no-group case use the CPU.
+
+    >>> device_for()
+    device(type='cpu')
+    """
+    if is_distributed(group) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, name: str, group: Group) -> torch.Tensor:
+    """The one private reducer: in place on ``tensor``, identity without a process group."""
+    if not is_distributed(group):
+        return tensor
+    _record(name, tensor.numel())
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
+        raise _failure(name, f"{tensor.numel()} elements of {tensor.dtype}", group, exc) from exc
+    return tensor
+
+
+def _failure(name: str, what: str, group: Group, exc: BaseException) -> CollectiveError:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CollectiveError(
+        f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line} "
+        "(a peer rank died, diverged or timed out; every rank must call the same collectives in the same order)"
+    )
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group``, in place, and return it.
+
+    Args:
+        tensor: on :func:`device_for` ``(group)``; same shape and dtype on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        ``tensor``, now holding the sum over ranks (unchanged with no process group).
+
+    Raises:
+        CollectiveError: the collective failed or timed out (e.g. a peer died).
+
+    >>> all_reduce_sum(torch.tensor([1.0, 2.0]))
+    tensor([1., 2.])
+    """
+    return _reduce(tensor, dist.ReduceOp.SUM, "all_reduce(sum)", group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over the ranks of ``group``, in place.
+
+    Args:
+        tensor: on :func:`device_for` ``(group)``; same shape and dtype on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        ``tensor``, now holding the maximum over ranks.
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+
+    >>> all_reduce_max(torch.tensor([3, 1]))
+    tensor([3, 1])
+    """
+    return _reduce(tensor, dist.ReduceOp.MAX, "all_reduce(max)", group)
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Gather one equally sized tensor from every rank into ``output``, rank r's at ``output[r * n:(r + 1) * n]``.
+
+    Args:
+        output: 1-d, ``world_size * tensor.numel()`` elements, same dtype and device as ``tensor``.
+        tensor: this rank's part, 1-d; same size on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        ``output``, filled (with no process group: a copy of ``tensor``).
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+
+    >>> all_gather_into(torch.empty(2), torch.tensor([5.0, 6.0]))
+    tensor([5., 6.])
+    """
+    if not is_distributed(group):
+        return output.copy_(tensor)
+    _record("all_gather", tensor.numel())
+    # all_gather_single is the newer name (torch >= 2.10); all_gather_into_tensor is deprecated there.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        gather(output, tensor, group=group)
+    except RuntimeError as exc:
+        raise _failure("all_gather", f"{tensor.numel()} elements of {tensor.dtype}", group, exc) from exc
+    return output
+
+
+def all_gather_object(obj: object, group: Group = None) -> list[object]:
+    """Gather one picklable object from every rank of ``group`` (for small metadata only).
+
+    Args:
+        obj: any picklable object.
+        group: a process group, or None for the default one.
+
+    Returns:
+        One object per rank, in rank order (``[obj]`` with no process group).
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+
+    >>> all_gather_object({"w": 0})
+    [{'w': 0}]
+    """
+    if not is_distributed(group):
+        return [obj]
+    _record("all_gather_object", 0)
+    out: list[object] = [None] * get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as exc:
+        raise _failure("all_gather_object", type(obj).__name__, group, exc) from exc
+    return out
+
+
+_MAX_NAMED = 5  # differences named in one mismatch message; the rest are counted
+
+
+def check_same_on_all_ranks(entries: list[tuple[object, str]], what: str, group: Group = None) -> None:
+    """Check that every rank of ``group`` holds the same ``(key, description)`` entries, before data moves.
+
+    One ``all_gather_object`` of a digest; only when digests differ, a second one of the entries themselves,
+    so that the message can name the values. Every rank sees the same gathered data, so every rank raises
+    the same error. The model is PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` fingerprint check.
+
+    Args:
+        entries: e.g. ``[("w", "(shape=(4, 3), dtype=float32, owner=0)"), ...]``, in a canonical order.
+        what: what the entries are, for the message (e.g. ``"ownership declarations"``).
+        group: a process group, or None for the default one (no group: nothing to compare).
+
+    Raises:
+        CollectiveError: on every rank, naming rank 0, the differing rank, the key and both descriptions.
+
+    >>> check_same_on_all_ranks([("w", "(shape=(2,))")], "parameters")
+    """
+    digest = hashlib.sha256(repr(entries).encode()).hexdigest()
+    if len(set(all_gather_object(digest, group))) > 1:
+        tables = all_gather_object(entries, group)
+        raise CollectiveError(_mismatch_message(tables, what))  # type: ignore[arg-type]
+
+
+def _mismatch_message(tables: list[list[tuple[object, str]]], what: str) -> str:
+    """Name the first differences between rank 0's entries and every other rank's."""
+    base = dict(tables[0])
+    diffs: list[str] = []
+    for r, table in enumerate(tables[1:], start=1):
+        other = dict(table)
+        for key in list(base) + [k for k in other if k not in base]:
+            a, b = base.get(key), other.get(key)
+            if a != b:
+                diffs.append(f"rank 0 declared {key!r} as {a or 'nothing'}, but rank {r} declared {b or 'nothing'}")
+    named = "; ".join(diffs[:_MAX_NAMED])
+    more = f" (and {len(diffs) - _MAX_NAMED} more differences)" if len(diffs) > _MAX_NAMED else ""
+    return (
+        f"{what} differ across the {len(tables)} ranks of the group, detected before any gradient moved: {named}{more}"
+    )

@@ -1,0 +1,297 @@
+"""Start a local world of N gloo processes, fast, and collect what each rank returns.
+
+For tests, benchmarks and the demo on one machine (under ``torchrun`` use the
+given world instead). Design choices, each for a trap met in practice:
+
+* **forkserver with torch preloaded**: the server imports torch once; each rank
+  is a fork of it (about 0.1 s instead of seconds of ``import torch``). The
+  server is started once per parent process and reused by every later world.
+* **the server's environment is frozen** when it starts, so each rank receives
+  what it needs explicitly: the parent's *current* ``sys.path`` (pytest's
+  ``pythonpath``, a script's folder) and any extra environment variables, both
+  applied before the worker function is imported. The worker is named by
+  module and qualified name, and its arguments travel pickled, for that reason.
+* **loopback only**: the rendezvous store listens on 127.0.0.1 (a free port
+  chosen by the OS, held by the parent: no port race) and gloo is bound to the
+  loopback interface (``GLOO_SOCKET_IFNAME``).
+* **short collective timeout**: start-up gets ``timeout_s``; once every rank
+  has joined, the group's timeout drops to ``collective_timeout_s`` so that a
+  dead peer turns into an error within seconds, never a hang.
+* results come back on a queue that each rank flushes (``join_thread``)
+  before ``os._exit``, which skips interpreter teardown (it can block on a
+  process group whose peer died).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradagg.errors import CollectiveError
+
+_PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]
+_GRACE_S = 5.0  # after the deadline, how long a rank may take to exit before it is killed
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """How one rank of a local world ended.
+
+    Attributes:
+        rank: the rank.
+        value: what the worker function returned (None if it failed).
+        error: None on success; else the worker's traceback, or how the process died.
+        exitcode: the process exit code (None if it had to be killed after the deadline).
+    """
+
+    rank: int
+    value: Any
+    error: str | None
+    exitcode: int | None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the worker returned normally.
+
+        >>> RankOutcome(rank=1, value=None, error="rank 1 exited with code 3 without returning a result", exitcode=3).ok
+        False
+        """
+        return self.error is None
+
+
+def launch_local_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    collective_timeout_s: float = 5.0,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
+    preload: Sequence[str] = (),
+) -> list[RankOutcome]:
+    """Run ``fn(*args)`` on ``world_size`` local processes joined in one process group; never raises for a rank.
+
+    Each rank calls ``fn(*args)`` after ``torch.distributed`` is initialised
+    (``dist.get_rank()`` tells it which rank it is). ``fn`` must be a module-level
+    function of an importable module (a script's own functions work too when the
+    script is run by path: its folder is on ``sys.path``).
+
+    Args:
+        fn: the worker, module-level; its return value must be picklable.
+        world_size: number of ranks, 1 or more.
+        *args: picklable arguments, the same for every rank.
+        backend: ``"gloo"`` (CPU). ``"nccl"`` needs one GPU per rank.
+        collective_timeout_s: the process group's timeout once every rank has joined.
+        timeout_s: the deadline for the whole world, start-up included.
+        env: extra environment variables for the ranks, set before ``fn`` is imported. Variables that
+            torch reads only when it is imported are already fixed in the fork server (started once, with
+            the parent's environment at that time); ``TORCH_DISTRIBUTED_DEBUG`` is re-read for you.
+        preload: more modules for the fork server to import once, besides torch (e.g. ``"torch._dynamo"``,
+            which ``DistributedDataParallel`` imports on first use: 2 s per rank otherwise). Only the first
+            world of a process starts the server, so pass the same list every time.
+
+    Returns:
+        One :class:`RankOutcome` per rank, in rank order.
+
+    Raises:
+        CollectiveError: ``fn`` cannot be named from another process.
+
+    Starting processes is not for a doctest, hence the skip (the tests run it)::
+
+    >>> outcomes = launch_local_world(dist.get_rank, 2)  # doctest: +SKIP
+    >>> [(o.rank, o.ok, o.value) for o in outcomes]  # doctest: +SKIP
+    [(0, True, 0), (1, True, 1)]
+    """
+    ref = _reference(fn)
+    ctx = _context(preload)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    results: Any = ctx.Queue()
+    spec = (ref, world_size, store.port, backend, collective_timeout_s, timeout_s, list(sys.path), dict(env or {}))
+    blob = pickle.dumps(args)
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, spec, blob, results), daemon=True) for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got = _collect(results, procs, time.monotonic() + timeout_s)
+    outcomes = [_outcome(rank, got.get(rank), procs[rank]) for rank in range(world_size)]
+    del store  # the rendezvous store lives exactly as long as the world
+    return outcomes
+
+
+def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
+    """Like :func:`launch_local_world`, but return the values and raise if any rank failed.
+
+    Args:
+        fn: the worker (see :func:`launch_local_world`).
+        world_size: number of ranks.
+        *args: arguments for ``fn``.
+        **options: ``backend``, ``collective_timeout_s``, ``timeout_s``, ``env``, ``preload``.
+
+    Returns:
+        What each rank returned, in rank order.
+
+    Raises:
+        CollectiveError: one or more ranks raised, died or missed the deadline; the message names
+            each failed rank with its error and ends with their tracebacks.
+
+    >>> run_local_world(dist.get_world_size, 2)  # doctest: +SKIP
+    [2, 2]
+    """
+    outcomes = launch_local_world(fn, world_size, *args, **options)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        heads = "; ".join(f"rank {o.rank}: {_last_line(o.error)}" for o in failed)
+        tails = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
+        raise CollectiveError(f"{len(failed)} of {world_size} ranks failed in {_name(fn)}: {heads}\n{tails}")
+    return [o.value for o in outcomes]
+
+
+# --- parent side -------------------------------------------------------------
+
+
+def _context(preload: Sequence[str]) -> Any:
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):
+        # multiprocessing re-imports the parent's __main__ in every child, by path
+        raise CollectiveError(f"cannot start ranks from a __main__ that is not a file ({main_file!r}); run a script")
+    ctx = multiprocessing.get_context("forkserver")
+    # Only effective before the server starts (first world of this process); later worlds reuse it.
+    ctx.set_forkserver_preload(_PRELOAD + [m for m in preload if m not in _PRELOAD])
+    return ctx
+
+
+def _reference(fn: Callable[..., Any]) -> tuple[str, str]:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module == "__main__":
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        if main_file is None:
+            raise CollectiveError(f"worker {qualname!r} lives in an interactive __main__; move it to a module")
+        module = Path(main_file).stem  # run by path: the script's folder is sys.path[0] in every rank
+    if module is None or "<locals>" in qualname or "<lambda>" in qualname:
+        raise CollectiveError(f"worker {qualname!r} must be a module-level function of an importable module")
+    return module, qualname
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
+def _collect(results: Any, procs: list[Any], deadline: float) -> dict[int, tuple[bool, Any]]:
+    got: dict[int, tuple[bool, Any]] = {}
+    while len(got) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.05)
+            got[rank] = (ok, payload)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                # every rank exited: one last look for results flushed just before exit
+                while True:
+                    try:
+                        rank, ok, payload = results.get(timeout=0.2)
+                        got[rank] = (ok, payload)
+                    except queue.Empty:
+                        return got
+    for p in procs:
+        p.join(timeout=_GRACE_S if time.monotonic() < deadline + _GRACE_S else 0.1)
+        if p.is_alive():
+            p.kill()  # ours, past the deadline
+            p.join(timeout=1.0)
+    return got
+
+
+def _outcome(rank: int, got: tuple[bool, Any] | None, proc: Any) -> RankOutcome:
+    code = proc.exitcode
+    if got is None:
+        why = "did not finish before the deadline (killed)" if code is None or code < 0 else f"exited with code {code}"
+        return RankOutcome(rank, None, f"rank {rank} {why} without returning a result", code)
+    ok, payload = got
+    return RankOutcome(rank, pickle.loads(payload) if ok else None, None if ok else str(payload), code)
+
+
+def _last_line(text: str | None) -> str:
+    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "unknown error"
+
+
+# --- rank side -------------------------------------------------------------------
+
+
+def _rank_main(rank: int, spec: tuple[Any, ...], blob: bytes, results: Any) -> None:
+    (module, qualname), world, port, backend, coll_s, start_s, sys_path, env = spec
+    try:
+        _prepare(sys_path, env, world, port)
+        fn = _resolve(module, qualname)
+        args = pickle.loads(blob)
+        _join(rank, world, port, backend, coll_s, start_s)
+        # pickled here, not by the queue's feeder thread, so that an unpicklable result is reported
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException:  # report everything, SystemExit included: the parent names it
+        results.put((rank, False, traceback.format_exc()))
+    results.close()
+    results.join_thread()  # flush the result to the pipe before the hard exit below
+    os._exit(0)
+
+
+def _prepare(sys_path: list[str], env: dict[str, str], world: int, port: int) -> None:
+    sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if _has_interface("lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the gloo group is created: loopback only
+    os.environ.update(env)
+    if hasattr(dist, "set_debug_level_from_env"):
+        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read at import: the server's, not ours
+    # share the cores instead of oversubscribing them (each rank would start one thread per core)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _resolve(module: str, qualname: str) -> Callable[..., Any]:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _join(rank: int, world: int, port: int, backend: str, coll_s: float, start_s: float) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=start_s)
+    )
+    # Start-up (gloo's full-mesh connect) may be slow on a loaded machine: the long timeout,
+    # then the short one for every collective.
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=start_s)
+    )
+    dist.barrier()
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=coll_s), None)
+    except (ImportError, RuntimeError, AttributeError):  # private API: fall back to the long timeout
+        pass
+
+
+def _has_interface(name: str) -> bool:
+    try:
+        return any(n == name for _, n in socket.if_nameindex())
+    except OSError:
+        return False

@@ -1,0 +1,222 @@
+"""MicrobatchAccumulator in one process (no process group): the contract, the guards, no communication."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dist_workers as w
+from gradagg.errors import GradaggError, NonFiniteGradientError, WindowError
+from gradagg.mutants import MICROBATCH_MEAN_MUTANTS
+from gradagg.reference import microbatch_mean
+from gradagg.torch import MicrobatchAccumulator, count_collectives
+
+# float64; sums of <= 8 microbatch gradients in another order than the full batch: see test_torch_distributed.
+TOL = 1e-12
+
+
+def test_matches_full_batch_gradient() -> None:
+    """8 microbatches of 4 samples: each .grad equals the full 32-sample gradient; ``unused`` stays None."""
+    model = w.TinyMoE()
+    acc, ledger = w.accumulate(model, w.microbatches(8))
+    assert w.max_error(w.grads_of(model), w.full_batch_grads(w.microbatches(8))) <= TOL
+    assert model.unused.weight.grad is None
+    assert ledger.microbatches_global == ledger.divisor == 8
+    assert ledger.participation_local["experts.2.weight"] == 4
+
+
+def test_same_as_hand_written_scaled_loop() -> None:
+    """(loss / M).backward() over the same M = 5 microbatches gives the same gradients (to round-off)."""
+    batches = w.microbatches(5)
+    hand = w.TinyMoE()
+    for batch in batches:
+        (w.loss_of(hand, batch) / len(batches)).backward()
+    model = w.TinyMoE()
+    w.accumulate(model, batches)
+    assert w.max_error(w.grads_of(model), w.grads_of(hand)) <= TOL
+
+
+def _scalar_params(width: int) -> list[torch.Tensor]:
+    return [torch.zeros((), dtype=torch.float64, requires_grad=True) for _ in range(width)]
+
+
+def _run_rows(rows: list[list[float | None]]) -> list[float | None]:
+    """Microbatch i gives parameter j the gradient rows[i][j] (loss = sum_j v_ij * p_j), None: absent."""
+    params = _scalar_params(len(rows[0]))
+    acc = MicrobatchAccumulator(params)
+    for row in rows:
+        with acc.microbatch():
+            terms = [p * v for p, v in zip(params, row) if v is not None]
+            if terms:
+                torch.stack(terms).sum().backward()
+    acc.finish()
+    return [None if p.grad is None else float(p.grad) for p in params]
+
+
+@pytest.mark.parametrize(
+    ("rows", "want"),
+    [
+        ([[2.0, None], [4.0, 6.0]], [3.0, 3.0]),  # missing treated as zero: (2 + 4) / 2, (0 + 6) / 2
+        ([[None, 2.0], [9.0, None], [3.0, 4.0]], [4.0, 2.0]),  # late participation: 12 / 3, 6 / 3
+        ([[0.0, None], [4.0, 2.0]], [2.0, 1.0]),  # a zero gradient is present, not absent
+        ([[None, 5.0]], [None, 5.0]),  # absent from the only microbatch: grad stays None
+    ],
+)
+def test_case_fixtures(rows: list[list[float | None]], want: list[float | None]) -> None:
+    """The case fixtures of the accumulation contract: sum / M, M = number of microbatches."""
+    assert _run_rows(rows) == want
+
+
+def test_against_reference_on_seeded_rows() -> None:
+    """Seeded random rows with ~30% absent values: equal to reference.microbatch_mean (absent -> 0 there,
+    None here only when absent everywhere); the known wrong fix (divide by participation) is caught."""
+    seed = 20261129
+    rng = random.Random(seed)
+    for trial in range(20):
+        m, width = rng.randint(1, 6), rng.randint(1, 5)
+        rows = [[None if rng.random() < 0.3 else rng.uniform(-5, 5) for _ in range(width)] for _ in range(m)]
+        got = _run_rows(rows)
+        want = microbatch_mean(rows)
+        for j, (g, v) in enumerate(zip(got, want)):
+            absent_everywhere = all(r[j] is None for r in rows)
+            assert (g is None) == absent_everywhere, (seed, trial, j)
+            assert (0.0 if g is None else g) == pytest.approx(v, abs=1e-12), (seed, trial, rows)
+    for name, mutant in MICROBATCH_MEAN_MUTANTS.items():  # each known wrong fix disagrees somewhere
+        rows = [[2.0, None], [4.0, 6.0]]
+        assert mutant(rows, [1, 2]) != _run_rows(rows), f"{name} is not caught"
+
+
+def test_no_communication_without_process_group() -> None:
+    """With no process group, finish() sends nothing (count 0) and needs no group at all."""
+    model = w.TinyMoE()
+    with count_collectives() as c:
+        w.accumulate(model, w.microbatches(3))
+    assert c.total == 0
+
+
+def test_ledger_and_report() -> None:
+    """Before finish: local counts, global None; after: M and participation, in a readable table."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    for batch in w.microbatches(4):
+        with acc.microbatch():
+            w.loss_of(model, batch).backward()
+    assert acc.ledger.microbatches_local == 4 and acc.ledger.microbatches_global is None
+    acc.finish()
+    text = acc.report()
+    assert "divisor M = 4" in text and "experts.2.weight" in text and "never a divisor" in text
+    assert acc.ledger.participation_global == acc.ledger.participation_local
+
+
+def test_backward_failure_poisons_the_window() -> None:
+    """A microbatch raising after its backward: finish() raises WindowError until discard(); then a clean
+    window works. A microbatch raising before any gradient (in the forward) is simply not counted."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    batches = w.microbatches(3)
+    with pytest.raises(RuntimeError), acc.microbatch():
+        raise RuntimeError("forward failed: nothing accumulated")
+    with pytest.raises(RuntimeError), acc.microbatch():
+        w.loss_of(model, batches[0]).backward()
+        raise RuntimeError("failed after backward")
+    with pytest.raises(WindowError, match="poisoned.*failed after backward"):
+        acc.finish()
+    acc.discard()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError), acc.microbatch():
+        raise RuntimeError("forward failed again")
+    for batch in batches:
+        with acc.microbatch():
+            w.loss_of(model, batch).backward()
+    assert acc.finish().divisor == 3
+    assert w.max_error(w.grads_of(model), w.full_batch_grads(batches)) <= TOL
+
+
+def test_backward_outside_microbatch_poisons() -> None:
+    """A backward between microbatches of an open window is not counted in M: finish() refuses."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    batch = w.microbatches(1)[0]
+    with acc.microbatch():
+        w.loss_of(model, batch).backward()
+    w.loss_of(model, batch).backward()
+    with pytest.raises(WindowError, match="outside microbatch"):
+        acc.finish()
+
+
+def test_guards() -> None:
+    """finish() with M = 0; gradients left from before the window; nested microbatches; finish inside one."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    with pytest.raises(WindowError, match="M = 0"):
+        acc.finish()
+    w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="already has a gradient"), acc.microbatch():
+        pass
+    model.zero_grad()
+    with acc.microbatch():
+        with pytest.raises(WindowError, match="do not nest"), acc.microbatch():
+            pass
+        with pytest.raises(WindowError, match="inside microbatch"):
+            acc.finish()
+    with pytest.raises(GradaggError, match="nonfinite"):
+        MicrobatchAccumulator(model, nonfinite="ignore")  # type: ignore[arg-type]
+
+
+def test_next_window_requires_zeroed_gradients() -> None:
+    """After finish() and the step, forgetting zero_grad() would mix two windows: the next microbatch refuses."""
+    model = w.TinyMoE()
+    acc, _ = w.accumulate(model, w.microbatches(2))
+    with pytest.raises(WindowError, match="zero_grad"), acc.microbatch():
+        pass
+    model.zero_grad()
+    with acc.microbatch():
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    assert acc.finish().divisor == 1
+
+
+def test_nonfinite() -> None:
+    """NaN in a microbatch: propagate (default) keeps NaN in .grad; nonfinite="raise" raises."""
+    batch = w.microbatches(1)[0]
+    bad = (batch[0].clone().fill_(float("nan")), batch[1], batch[2])
+    model = w.TinyMoE()
+    w.accumulate(model, [batch, bad])
+    assert bool(model.shared.weight.grad.isnan().all())
+    with pytest.raises(NonFiniteGradientError, match="shared.weight"):
+        w.accumulate(w.TinyMoE(), [batch, bad], nonfinite="raise")
+
+
+def test_tied_weights_and_plain_parameters() -> None:
+    """A tensor given twice is one parameter (one hook, one gradient), not counted twice."""
+    p = torch.zeros(2, requires_grad=True)
+    acc = MicrobatchAccumulator([p, p])
+    for v in (1.0, 3.0):
+        with acc.microbatch():
+            (p * v).sum().backward()
+    acc.finish()
+    assert p.grad.tolist() == [2.0, 2.0]  # (1 + 3) / 2
+    assert list(acc.ledger.participation_local) == ["param[0]"]
+
+
+def test_close_makes_it_unusable() -> None:
+    """close() removes the hooks; using the accumulator afterwards is refused rather than silently uncounted."""
+    p = torch.zeros(1, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    acc.close()
+    with pytest.raises(WindowError, match="closed"), acc.microbatch():
+        pass
+    with pytest.raises(WindowError, match="closed"):
+        acc.finish()
+
+
+def test_second_finish_does_not_divide_twice() -> None:
+    """finish() twice without a microbatch in between: the second finds M = 0 and refuses; grads unchanged."""
+    model = w.TinyMoE()
+    acc, _ = w.accumulate(model, w.microbatches(2))
+    before = w.grads_of(model)
+    with pytest.raises(WindowError, match="M = 0"):
+        acc.finish()
+    assert w.max_error(w.grads_of(model), before) == 0.0
+    assert acc.ledger.divisor == 2  # the last finished window's ledger
