@@ -1,0 +1,313 @@
+"""Benchmark of gradagg.torch: what exactly-once accumulation and owner-aware reduction cost.
+
+One run measures, side by side (interleaved, medians):
+
+1. one process: a training step's accumulation (zero_grad, M = 8 microbatches forward/backward, grads
+   ready) with MicrobatchAccumulator against the hand-written ``(loss / M).backward()`` loop, on an MLP
+   of about 10^7 parameters. Target: at most 5% slower.
+2. two gloo processes on loopback: ``finish()`` and ``owner_reduce`` against one plain ``all_reduce`` of
+   the same bytes. Target: at most 1.2x. Collectives per call counted (targets: 1, 1, and 1 scalar for
+   ``grad_norm``; ownership verification is a separate, once-per-declaration collective).
+
+Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write bench/results_training.md]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradagg.torch import (
+    MicrobatchAccumulator,
+    Ownership,
+    count_collectives,
+    grad_norm,
+    owner_reduce,
+    run_local_world,
+)
+
+M = 8  # microbatches per step
+MICROBATCH = 16  # samples per microbatch
+WIDTHS = [1024, 2048, 2048, 1024, 1024]  # Linear layers between these widths: 9.45 M parameters
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for a, b in zip(WIDTHS, WIDTHS[1:]):
+        layers += [nn.Linear(a, b), nn.GELU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def make_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(MICROBATCH, WIDTHS[0], generator=g), torch.randn(MICROBATCH, WIDTHS[-1], generator=g))
+        for _ in range(M)
+    ]
+
+
+def step_hand(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    model.zero_grad(set_to_none=True)
+    for x, y in data:
+        (nn.functional.mse_loss(model(x), y) / len(data)).backward()
+
+
+def step_acc(model: nn.Module, acc: MicrobatchAccumulator, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    model.zero_grad(set_to_none=True)
+    for x, y in data:
+        with acc.microbatch():
+            nn.functional.mse_loss(model(x), y).backward()
+    acc.finish()
+
+
+def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Run the candidates alternately (A B A B ...) so that drift on a shared machine hits both alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def bench_single(repeats: int) -> dict[str, Any]:
+    # One thread: on 2 cores shared with other jobs, a 2-thread op waits for its slower thread whenever
+    # a core is taken, and medians were seen to vary 4x between runs; 1 thread varied by a few percent.
+    torch.set_num_threads(1)
+    model, data = make_model(), make_data()
+    acc = MicrobatchAccumulator(model)
+    times = interleaved({"hand": lambda: step_hand(model, data), "acc": lambda: step_acc(model, acc, data)}, repeats)
+    with count_collectives() as c:
+        step_acc(model, acc, data)
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "times": times,
+        "collectives": c.total,
+        "threads": torch.get_num_threads(),
+    }
+
+
+# --- two gloo ranks (this function runs in each rank) -------------------------------------------------
+
+
+def _balanced_owners(model: nn.Module, world: int) -> dict[str, int]:
+    """Greedy: each parameter to the rank owning the fewest elements so far (largest first)."""
+    load = [0] * world
+    owners: dict[str, int] = {}
+    for name, p in sorted(model.named_parameters(), key=lambda kv: -kv[1].numel()):
+        r = load.index(min(load))
+        owners[name] = r
+        load[r] += p.numel()
+    return owners
+
+
+def _synced(fn: Callable[[], object]) -> Callable[[], None]:
+    def run() -> None:
+        dist.barrier()  # start together: the time is the collective's, not a peer's lateness
+        fn()
+
+    return run
+
+
+def _fill_grads(model: nn.Module, acc: MicrobatchAccumulator) -> None:
+    model.zero_grad(set_to_none=True)
+    with acc.microbatch():
+        sum(p.sum() for p in model.parameters()).backward()  # type: ignore[union-attr]
+
+
+def rank_bench(repeats: int) -> dict[str, Any]:
+    model = make_model()
+    params = dict(model.named_parameters())
+    numel = sum(p.numel() for p in params.values())
+    acc = MicrobatchAccumulator(model)
+    balanced = Ownership.from_tensors(params, owners=_balanced_owners(model, dist.get_world_size()))
+    skewed = Ownership.from_tensors(params, owners=0)
+    contributions = {n: torch.randn_like(p) for n, p in params.items()}
+    balanced.verify()
+    skewed.verify()
+    plain_same_as_finish = torch.randn(numel + len(params) + 3 * dist.get_world_size())
+    plain = torch.randn(numel)
+
+    def finish_only() -> None:
+        _fill_grads(model, acc)  # outside the timed region below
+        dist.barrier()
+        t0 = time.perf_counter()
+        acc.finish()
+        finish_times.append(time.perf_counter() - t0)
+
+    finish_times: list[float] = []
+    times = interleaved(
+        {
+            "plain": _synced(lambda: dist.all_reduce(plain)),
+            "plain_finish_bytes": _synced(lambda: dist.all_reduce(plain_same_as_finish)),
+            "owner_balanced": _synced(lambda: owner_reduce(contributions, balanced)),
+            "owner_skewed": _synced(lambda: owner_reduce(contributions, skewed)),
+            "owner_gather": _synced(lambda: owner_reduce(contributions, balanced, collective="all_gather")),
+            "finish": finish_only,
+            "grad_norm": _synced(lambda: grad_norm(model.parameters())),
+        },
+        repeats,
+    )
+    times["finish"] = finish_times[-repeats:]
+    counts = {}
+    for name, fn in {
+        "finish": lambda: acc.finish(),
+        "owner_balanced": lambda: owner_reduce(contributions, balanced),
+        "owner_skewed": lambda: owner_reduce(contributions, skewed),
+        "owner_gather": lambda: owner_reduce(contributions, balanced, collective="all_gather"),
+        "grad_norm": lambda: grad_norm(model.parameters()),
+    }.items():
+        if name == "finish":
+            _fill_grads(model, acc)
+        with count_collectives() as c:
+            fn()
+        counts[name] = dict(c.by_op)
+    return {"times": times, "counts": counts, "numel": numel}
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores visible; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{platform.system()} {platform.release()}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    )
+
+
+def _ratios(times: dict[str, list[float]], name: str, base: str) -> str:
+    """Ratio of medians, and the median of the per-repeat ratios (each pair measured back to back)."""
+    a, b = times[name], times[base]
+    paired = statistics.median(x / y for x, y in zip(a, b))
+    return f"{statistics.median(a) / statistics.median(b):.3f} ({paired:.3f})"
+
+
+def table(single: dict[str, Any], ranks: dict[str, Any]) -> str:
+    st, rt, counts = single["times"], ranks["times"], ranks["counts"]
+    mb = ranks["numel"] * 4 / 1e6
+
+    def ms(ts: list[float]) -> str:
+        return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
+
+    def c(name: str) -> str:
+        return ", ".join(f"{n} {op}" for op, n in counts[name].items())
+
+    rows = [
+        ("step, M = 8: hand-written (loss / M).backward()", ms(st["hand"]), "1 (baseline)", "0 (one process)", "-"),
+        ("step, M = 8: MicrobatchAccumulator", ms(st["acc"]), _ratios(st, "acc", "hand"), "0 (one process)", "<= 1.05"),
+        (f"2 gloo ranks: plain all_reduce, {mb:.1f} MB", ms(rt["plain"]), "1 (baseline)", "1 all_reduce", "-"),
+        (
+            "finish() (grads + M + participation + status)",
+            ms(rt["finish"]),
+            _ratios(rt, "finish", "plain"),
+            c("finish"),
+            "<= 1.2, 1",
+        ),
+        (
+            "(plain all_reduce of finish()'s exact buffer)",
+            ms(rt["plain_finish_bytes"]),
+            _ratios(rt, "plain_finish_bytes", "plain"),
+            "1 all_reduce",
+            "-",
+        ),
+        (
+            "owner_reduce, owners balanced, auto",
+            ms(rt["owner_balanced"]),
+            _ratios(rt, "owner_balanced", "plain"),
+            c("owner_balanced"),
+            "<= 1.2, 1",
+        ),
+        (
+            "owner_reduce, rank 0 owns all, auto",
+            ms(rt["owner_skewed"]),
+            _ratios(rt, "owner_skewed", "plain"),
+            c("owner_skewed"),
+            "<= 1.2, 1",
+        ),
+        (
+            "owner_reduce, owners balanced, forced all_gather",
+            ms(rt["owner_gather"]),
+            _ratios(rt, "owner_gather", "plain"),
+            c("owner_gather"),
+            "(why auto avoids it on gloo)",
+        ),
+        (
+            "grad_norm (replicated: rank 0 counts)",
+            ms(rt["grad_norm"]),
+            _ratios(rt, "grad_norm", "plain"),
+            c("grad_norm"),
+            "1 scalar",
+        ),
+    ]
+    head = (
+        "| what | median | ratio of medians (median of paired ratios) | collectives per call | target |\n"
+        "|---|---:|---:|---|---|"
+    )
+    return head + "\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+NOTES = """
+How to read it:
+- The one-process rows compare whole accumulation steps (zero_grad, 8 forward/backward, gradients ready).
+  The accumulator adds a post-accumulate-grad hook call per parameter and microbatch and one division
+  pass at finish(); the hand-written loop scales each loss instead.
+- finish() is one all_reduce of a buffer the gradients were accumulated into in place (no copy in or
+  out) plus one division pass by the counted M: that pass is its whole overhead over the bare
+  all_reduce. (DDP pays a copy into its buckets with the division fused, and a copy out.)
+- owner_reduce copies the owned shards into its flat buffer and writes zeros over the others (one pass),
+  then one all_reduce; the results are views of the buffer (no copy out).
+- On gloo, "auto" picks the all_reduce even when the all_gather would move fewer bytes: gloo's
+  all_gather is several times slower here (the forced all_gather row).
+- Other jobs share these 2 cores. The row that runs the same all_reduce as the baseline on finish()'s
+  exact buffer shows how far two identical operations drift apart in one run.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="training steps per variant (one process)")
+    parser.add_argument("--repeats-ranks", type=int, default=41, help="collective calls per variant (2 ranks)")
+    parser.add_argument("--write", metavar="PATH", help="also write the table and the machine to this Markdown file")
+    args = parser.parse_args(argv)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
+    single = bench_single(args.repeats)
+    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, collective_timeout_s=60.0, timeout_s=600.0)[0]
+    text = (
+        f"{table(single, ranks)}\n\n"
+        f"Model: MLP {WIDTHS}, {single['params'] / 1e6:.2f} M parameters, float32; M = {M} microbatches of "
+        f"{MICROBATCH} samples; the one-process rows use {single['threads']} thread, each of the 2 gloo ranks 1 "
+        "thread.\n"
+        f"Medians of {args.repeats} (one process) and {args.repeats_ranks} (2 ranks) interleaved repeats after 2 "
+        "warm-ups, min in brackets; the baseline and the candidate run "
+        f"back to back in each repeat. Machine: {machine()}; load average before the run: {load}.\n"
+    )
+    text += NOTES
+    print(text)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write("# gradagg.torch benchmark (bench/bench_training.py)\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
