@@ -27,8 +27,11 @@ N = 1
 # --- the case documents, verbatim ------------------------------------------------
 
 OWNER_SUM_DOCUMENT = [
-    ("ignore replica copy", [["x", "a", "a", N], ["x", "b", "a", 9 * N], ["y", "c", "c", 2 * N]],
-     [["x", N], ["y", 2 * N]]),
+    (
+        "ignore replica copy",
+        [["x", "a", "a", N], ["x", "b", "a", 9 * N], ["y", "c", "c", 2 * N]],
+        [["x", N], ["y", 2 * N]],
+    ),
     ("empty owners", [], []),
     ("only nonowner", [["z", "b", "a", N]], []),
     ("owner can be late", [["z", "b", "a", N], ["z", "a", "a", 3 * N]], [["z", 3 * N]]),
@@ -107,31 +110,71 @@ def test_bad_nonfinite_option() -> None:
 # --- errors: every class named by the foundation issue ----------------------------
 
 ERROR_CASES = [
-    ("row of wrong length", lambda: owner_sum([["x", "a", "a", 1], ["x", "a", "a"]]), RowShapeError,
-     r"row 1: expected 4 fields .* got 3"),
+    (
+        "row of wrong length",
+        lambda: owner_sum([["x", "a", "a", 1], ["x", "a", "a"]]),
+        RowShapeError,
+        r"row 1: expected 4 fields .* got 3",
+    ),
     ("row that is not a list", lambda: owner_sum(["xaa1"]), RowShapeError, r"row 0: expected a list"),
-    ("string gradient", lambda: owner_sum([["x", "a", "a", "1"]]), GradientTypeError,
-     r"row 0: gradient must be a number .* got str '1'"),
+    (
+        "string gradient",
+        lambda: owner_sum([["x", "a", "a", "1"]]),
+        GradientTypeError,
+        r"row 0: gradient must be a number .* got str '1'",
+    ),
     ("boolean gradient", lambda: owner_sum([["x", "a", "a", True]]), GradientTypeError, r"row 0: .* got bool True"),
-    ("boolean in a vector", lambda: owner_sum([["x", "a", "a", [1, False]]]), GradientTypeError,
-     r"row 0: gradient element 1 must be a number, got bool False"),
-    ("vector lengths differ", lambda: owner_sum([["x", 0, 0, [1, 2]], ["x", 1, 0, [1, 2, 3]]]), GradientShapeError,
-     r"row 1: gradient of shard 'x' is a vector of length 3, expected a vector of length 2 \(from row 0\)"),
-    ("scalar meets vector", lambda: owner_sum([["x", 0, 0, 1], ["x", 0, 0, [1]]]), GradientShapeError,
-     r"row 1: .* is a vector of length 1, expected a scalar \(from row 0\)"),
+    (
+        "boolean in a vector",
+        lambda: owner_sum([["x", "a", "a", [1, False]]]),
+        GradientTypeError,
+        r"row 0: gradient element 1 must be a number, got bool False",
+    ),
+    (
+        "vector lengths differ",
+        lambda: owner_sum([["x", 0, 0, [1, 2]], ["x", 1, 0, [1, 2, 3]]]),
+        GradientShapeError,
+        r"row 1: gradient of shard 'x' is a vector of length 3, expected a vector of length 2 \(from row 0\)",
+    ),
+    (
+        "scalar meets vector",
+        lambda: owner_sum([["x", 0, 0, 1], ["x", 0, 0, [1]]]),
+        GradientShapeError,
+        r"row 1: .* is a vector of length 1, expected a scalar \(from row 0\)",
+    ),
     ("None shard id", lambda: owner_sum([[None, "a", "a", 1]]), IdError, r"row 0: shard_id is missing \(None\)"),
     ("None worker id", lambda: owner_sum([["x", None, "a", 1]]), IdError, r"row 0: worker_id is missing"),
-    ("None owner id", lambda: owner_sum([["x", "a", "a", 1], ["x", "a", None, 1]]), IdError,
-     r"row 1: owner_id is missing"),
+    (
+        "None owner id",
+        lambda: owner_sum([["x", "a", "a", 1], ["x", "a", None, 1]]),
+        IdError,
+        r"row 1: owner_id is missing",
+    ),
     ("float id", lambda: owner_sum([[1.5, "a", "a", 1]]), IdError, r"row 0: shard_id must be an int or a string"),
-    ("unorderable shard ids", lambda: owner_sum([[1, 0, 0, 1], ["a", 0, 0, 1]]), UnorderableShardError,
-     r"shard ids 1 \(row 0, int\) and 'a' \(row 1, str\) cannot be ordered"),
-    ("ragged microbatch", lambda: microbatch_mean([[1, 2], [1, 2, 3]]), RowShapeError,
-     r"microbatch 1: has 3 values, expected 2 \(from microbatch 0\)"),
-    ("string microbatch value", lambda: microbatch_mean([[1, "2"]]), GradientTypeError,
-     r"microbatch 0, parameter 1: value must be a number or None"),
-    ("negative active count", lambda: microbatch_mean([[1]], [-1]), GradientTypeError,
-     r"active_counts\[0\] must be a non-negative integer, got -1"),
+    (
+        "unorderable shard ids",
+        lambda: owner_sum([[1, 0, 0, 1], ["a", 0, 0, 1]]),
+        UnorderableShardError,
+        r"shard ids 1 \(row 0, int\) and 'a' \(row 1, str\) cannot be ordered",
+    ),
+    (
+        "ragged microbatch",
+        lambda: microbatch_mean([[1, 2], [1, 2, 3]]),
+        RowShapeError,
+        r"microbatch 1: has 3 values, expected 2 \(from microbatch 0\)",
+    ),
+    (
+        "string microbatch value",
+        lambda: microbatch_mean([[1, "2"]]),
+        GradientTypeError,
+        r"microbatch 0, parameter 1: value must be a number or None",
+    ),
+    (
+        "negative active count",
+        lambda: microbatch_mean([[1]], [-1]),
+        GradientTypeError,
+        r"active_counts\[0\] must be a non-negative integer, got -1",
+    ),
 ]
 
 
@@ -157,7 +200,7 @@ def brute_owner_sum(rows: list) -> list:
 
 shard_ids = st.sampled_from(["a", "b", "c", "d"])
 worker_ids = st.integers(0, 3)
-owner_rows = st.lists(st.tuples(shard_ids, worker_ids, worker_ids, st.integers(-10**6, 10**6)).map(list), max_size=30)
+owner_rows = st.lists(st.tuples(shard_ids, worker_ids, worker_ids, st.integers(-(10**6), 10**6)).map(list), max_size=30)
 
 
 @settings(max_examples=200, deadline=None)
@@ -179,7 +222,7 @@ def test_adding_nonowner_rows_never_changes_the_result(rows: list, extra: list) 
 
 
 @settings(max_examples=200, deadline=None)
-@given(owner_rows, st.integers(-10**6, 10**6))
+@given(owner_rows, st.integers(-(10**6), 10**6))
 def test_splitting_an_owner_gradient_over_two_rows_keeps_the_total(rows: list, part: int) -> None:
     owned = [r for r in rows if r[1] == r[2]]
     if not owned:

@@ -11,10 +11,23 @@ import pytest
 from gradagg import mutants
 from gradagg.verify import microbatch_mean_cases, owner_sum_cases, run_checks
 
-DOCUMENT_OWNER_SUM = {"ignore replica copy", "empty owners", "only nonowner", "owner can be late", "several owners",
-                      "owner contributions add"}
-DOCUMENT_MEAN = {"missing treated as zero", "all present", "single missing", "empty rows", "zero active count",
-                 "late participation", "zero gradient"}
+DOCUMENT_OWNER_SUM = {
+    "ignore replica copy",
+    "empty owners",
+    "only nonowner",
+    "owner can be late",
+    "several owners",
+    "owner contributions add",
+}
+DOCUMENT_MEAN = {
+    "missing treated as zero",
+    "all present",
+    "single missing",
+    "empty rows",
+    "zero active count",
+    "late participation",
+    "zero gradient",
+}
 
 
 def test_every_document_check_is_included() -> None:
@@ -73,8 +86,8 @@ def test_cli_verify_all_passes_with_at_least_13_observations() -> None:
 
 @pytest.mark.parametrize(
     ("contract", "name"),
-    [("owner-sum", n) for n in mutants.OWNER_SUM_MUTANTS] + [("microbatch-mean", n)
-                                                             for n in mutants.MICROBATCH_MEAN_MUTANTS],
+    [("owner-sum", n) for n in mutants.OWNER_SUM_MUTANTS]
+    + [("microbatch-mean", n) for n in mutants.MICROBATCH_MEAN_MUTANTS],
 )
 def test_cli_verify_exits_1_on_each_mutant(contract: str, name: str) -> None:
     proc = _verify("--contract", contract, "--impl", f"gradagg.mutants:{name}")
