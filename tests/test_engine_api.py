@@ -1,0 +1,192 @@
+"""The columnar API's shape: engine choice, lazy imports, Arrow input, and errors that name where and what."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import gradagg
+from gradagg import engine as engine_module
+from gradagg.backends import numpy as numpy_backend
+from gradagg.backends import torch as torch_backend
+from gradagg.engine import (
+    OwnerSumAccumulator,
+    available_engines,
+    microbatch_mean_columns,
+    owner_sum_columns,
+    resolve_engine,
+)
+from gradagg.errors import (
+    FormatError,
+    GradaggError,
+    GradientShapeError,
+    GradientTypeError,
+    IdError,
+    RowShapeError,
+    UnorderableShardError,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (imports are process-wide) and return its stdout."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_import_gradagg_loads_no_framework() -> None:
+    """``import gradagg`` (and the engine module itself) imports neither NumPy nor torch."""
+    out = python(
+        "import sys, gradagg, gradagg.engine, gradagg.backends; "
+        "print(sorted(m for m in ('numpy', 'torch', 'pyarrow', 'numba') if m in sys.modules))"
+    )
+    assert out == "[]"
+
+
+def test_numpy_input_does_not_import_torch() -> None:
+    """NumPy in, auto engine: torch is never loaded (it costs seconds of start-up)."""
+    out = python(
+        "import sys, numpy as np, gradagg; "
+        "s, t = gradagg.owner_sum_columns(np.array([1]), np.array([0]), np.array([0]), np.array([2.0])); "
+        "print(t.tolist(), 'torch' in sys.modules)"
+    )
+    assert out == "[2.0] False"
+
+
+def test_lazy_names_and_backend_symmetry() -> None:
+    """The package exposes the columnar functions lazily; every backend module has the same names."""
+    assert gradagg.owner_sum_columns is owner_sum_columns
+    assert gradagg.microbatch_mean_columns is microbatch_mean_columns
+    for module in (numpy_backend, torch_backend, engine_module._backend("python")):
+        for name in ("owner_sum", "microbatch_mean", "OwnerSumAccumulator", "MicrobatchMeanAccumulator"):
+            assert hasattr(module, name), (module.__name__, name)
+
+
+def test_engine_choice() -> None:
+    """auto: torch tensors -> torch, anything else -> numpy; explicit names pass through; unknown names fail."""
+    assert resolve_engine("auto", torch.zeros(1)) == "torch"
+    assert resolve_engine("auto", np.zeros(1)) == "numpy"
+    assert resolve_engine("auto", [1.0]) == "numpy"
+    assert resolve_engine("python", torch.zeros(1)) == "python"
+    assert set(available_engines()) == {"python", "numpy", "torch"}
+    with pytest.raises(GradaggError, match="engine must be one of auto, python, numpy, torch; got 'cuda'"):
+        owner_sum_columns([1], [0], [0], [1.0], engine="cuda")
+    with pytest.raises(GradaggError, match="nonfinite must be 'propagate' or 'raise'"):
+        owner_sum_columns([1], [0], [0], [1.0], nonfinite="ignore")
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch", "python"])
+def test_results_come_back_in_the_input_kind(engine: str) -> None:
+    """NumPy in -> NumPy out and torch in -> torch out, whichever engine ran."""
+    cols = (np.array([2, 1]), np.array([0, 0]), np.array([0, 0]), np.array([1.0, 2.0]))
+    s, t = owner_sum_columns(*cols, engine=engine)
+    assert isinstance(s, np.ndarray) and isinstance(t, np.ndarray) and s.tolist() == [1, 2]
+    s, t = owner_sum_columns(*(torch.from_numpy(c) for c in cols), engine=engine)
+    assert isinstance(s, torch.Tensor) and isinstance(t, torch.Tensor) and t.tolist() == [2.0, 1.0]
+    means = microbatch_mean_columns(torch.ones(2, 3), engine=engine)
+    assert isinstance(means, torch.Tensor) and means.tolist() == [1.0, 1.0, 1.0]
+
+
+OWNER_ERRORS: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+    (([1, 2], [0, 0], [0], [1.0, 2.0]), RowShapeError, "shard_ids has 2, worker_ids has 2, owner_ids has 1, gradients"),
+    (([1], [0], [0], np.zeros((1, 2, 2))), GradientShapeError, r"shape \(N,\) or \(N, D\), got shape \(1, 2, 2\)"),
+    (([1], [0], [0], np.array([True])), GradientTypeError, "bool"),
+    (([1], [0], [0], np.array(["1.0"])), GradientTypeError, "integers or floats"),
+    (([1, "a"], [0, 0], [0, 0], [1.0, 2.0]), IdError, r"shard_ids mixes int and str ids \(1 at row 0, 'a' at row 1\)"),
+    (([1, None], [0, 0], [0, 0], [1.0, 2.0]), IdError, r"row 1: shard_ids is missing \(None\)"),
+    ((np.array([1.5]), [0], [0], [1.0]), IdError, "shard_ids must hold int or str ids, got a float column"),
+    (([1], np.array([0]), np.array(["0"]), [1.0]), IdError, "worker_ids are int but owner_ids are str"),
+    (([1, 2], [0, 0], [0, 0], [[1.0], [1.0, 2.0]]), GradientShapeError, "differ in length"),
+]
+
+
+@pytest.mark.parametrize("columns, error, match", OWNER_ERRORS)
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+def test_owner_sum_errors_name_where_and_what(
+    engine: str, columns: tuple[Any, ...], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        owner_sum_columns(*columns, engine=engine)
+
+
+def test_accumulator_rejects_a_batch_that_changes_kind() -> None:
+    """Int shard ids after str ones cannot be ordered; vectors after scalars are a shape error."""
+    acc = OwnerSumAccumulator()
+    acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([1.0]))
+    with pytest.raises(UnorderableShardError, match="row 1: shard ids are int in this batch but str"):
+        acc.update(np.array([1]), np.array([0]), np.array([0]), np.array([1.0]))
+    with pytest.raises(GradientShapeError, match="row 1: gradients are vectors of length 2, expected scalars"):
+        acc.update(np.array(["b"]), np.array([0]), np.array([0]), np.ones((1, 2)))
+
+
+def owner_table() -> pa.Table:
+    return pa.table(
+        {
+            "shard_id": pa.array(["x", "x", "y", "é", "x"]),
+            "worker_id": pa.array([1, 2, 3, 4, 1], pa.int32()),
+            "owner_id": pa.array([1, 1, 3, 4, 1], pa.int32()),
+            "gradient": pa.array([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], pa.list_(pa.float32(), 2)),
+        }
+    )
+
+
+def test_arrow_table_is_passed_alone_and_streamed_by_batch() -> None:
+    """A table (one or many record batches, sliced or not) gives the same as its NumPy columns."""
+    table = owner_table()
+    s, t = owner_sum_columns(table)
+    assert s.tolist() == ["x", "y", "é"] and t.tolist() == [[10.0, 12.0], [5.0, 6.0], [7.0, 8.0]]
+    chunked = pa.Table.from_batches(table.to_batches(max_chunksize=2))
+    assert [x.tolist() for x in owner_sum_columns(chunked)] == [s.tolist(), t.tolist()]
+    s, t = owner_sum_columns(table.slice(1, 3))
+    assert s.tolist() == ["y", "é"] and t.tolist() == [[5.0, 6.0], [7.0, 8.0]]
+
+
+def test_arrow_errors() -> None:
+    """Missing columns, extra columns passed alongside, and nulls are each named."""
+    table = owner_table()
+    with pytest.raises(FormatError, match="lacks column"):
+        owner_sum_columns(table.drop_columns(["owner_id"]))
+    with pytest.raises(GradaggError, match="pass an Arrow table alone"):
+        owner_sum_columns(table, [1])
+    nulls = table.set_column(1, "worker_id", pa.array([1, None, 3, 4, 1], pa.int32()))
+    with pytest.raises(IdError, match=r"row 1: worker_id is missing \(null\)"):
+        owner_sum_columns(nulls)
+
+
+def test_arrow_microbatch_table_nulls_are_absent() -> None:
+    """Columns are microbatches; a null is absent (zero, still counted in M = 2)."""
+    table = pa.table({"m0": pa.array([2.0, None]), "m1": pa.array([4.0, 6.0])})
+    assert microbatch_mean_columns(table).tolist() == [3.0, 3.0]
+
+
+def test_gpu_script_skips_cleanly_without_cuda() -> None:
+    """bench/gpu.py exits 0 with a stated reason where there is no CUDA device."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: run bench/gpu.py itself")
+    done = subprocess.run([sys.executable, "bench/gpu.py"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and "skip" in done.stdout.lower(), done.stdout + done.stderr
+
+
+def test_benchmark_script_quick_smoke(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/bench_engines.py --quick runs a case end to end and prints the floor, engines and peers."""
+    for peer in ("pandas", "polars", "duckdb"):
+        pytest.importorskip(peer, reason="the peers come from requirements-bench.txt")
+    spec = importlib.util.spec_from_file_location("bench_engines", ROOT / "bench" / "bench_engines.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_engines", bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--repeat", "1", "--only", "str ids"]) == 0
+    out = capsys.readouterr().out
+    for name in ("memory-read floor", "gradagg auto", "pandas groupby", "Polars lazy", "DuckDB SQL"):
+        assert name in out
