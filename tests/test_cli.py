@@ -14,8 +14,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def gradagg(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gradagg", *args], input=stdin, capture_output=True, text=True,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "gradagg", *args], input=stdin, capture_output=True, text=True, cwd=cwd
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
@@ -44,9 +45,12 @@ def test_owner_sum_json(tmp_path: Path) -> None:
 
 
 def test_owner_sum_jsonl_arrays_and_objects(tmp_path: Path) -> None:
-    lines = [json.dumps(DOC_ROWS[0]), "",
-             json.dumps(dict(zip(["shard_id", "worker_id", "owner_id", "gradient"], DOC_ROWS[1]))),
-             json.dumps(DOC_ROWS[2])]
+    lines = [
+        json.dumps(DOC_ROWS[0]),
+        "",
+        json.dumps(dict(zip(["shard_id", "worker_id", "owner_id", "gradient"], DOC_ROWS[1]))),
+        json.dumps(DOC_ROWS[2]),
+    ]
     proc = gradagg("owner-sum", str(write(tmp_path, "rows.jsonl", "\n".join(lines) + "\n")))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [["x", 1], ["y", 2]]
@@ -147,19 +151,31 @@ OWNER_ERRORS = [
     ("wrong row length", "rows.json", '[["x", "a", "a", 1], ["x", "a", "a"]]', "row 1: expected 4 fields"),
     ("non-numeric gradient", "rows.jsonl", '["x", "a", "a", "lots"]\n', "row 0: gradient must be a number"),
     ("boolean gradient", "rows.json", '[["x", "a", "a", true]]', "got bool True"),
-    ("vector lengths differ", "rows.jsonl", '["x", 0, 0, [1, 2]]\n["x", 1, 0, [1]]\n',
-     "row 1: gradient of shard 'x' is a vector of length 1, expected a vector of length 2 (from row 0)"),
+    (
+        "vector lengths differ",
+        "rows.jsonl",
+        '["x", 0, 0, [1, 2]]\n["x", 1, 0, [1]]\n',
+        "row 1: gradient of shard 'x' is a vector of length 1, expected a vector of length 2 (from row 0)",
+    ),
     ("null shard id", "rows.json", '[[null, "a", "a", 1]]', "row 0: shard_id is missing"),
     ("empty owner cell", "rows.csv", "shard_id,worker_id,owner_id,gradient\nx,a,,1\n", "row 0: owner_id is missing"),
     ("unorderable shards", "rows.json", '[[1, 0, 0, 1], ["a", 0, 0, 2]]', "shard ids 1 (row 0, int) and 'a'"),
     ("invalid json", "rows.json", '[["x", "a", "a", 1]', "invalid JSON at line 1"),
     ("jsonl bad line", "rows.jsonl", '["x", "a", "a", 1]\n{oops\n', "line 2: invalid JSON"),
-    ("jsonl object keys", "rows.jsonl", '{"shard_id": "x", "worker": "a", "owner_id": "a", "gradient": 1}\n',
-     "line 1: object keys must be"),
+    (
+        "jsonl object keys",
+        "rows.jsonl",
+        '{"shard_id": "x", "worker": "a", "owner_id": "a", "gradient": 1}\n',
+        "line 1: object keys must be",
+    ),
     ("csv header", "rows.csv", "shard,worker,owner,grad\nx,a,a,1\n", "line 1: CSV header must be"),
     ("csv cell count", "rows.csv", "shard_id,worker_id,owner_id,gradient\nx,a,a\n", "line 2: expected 4 cells"),
-    ("csv gradient", "rows.csv", "shard_id,worker_id,owner_id,gradient\nx,a,a,abc\n",
-     "line 2: gradient must be a number"),
+    (
+        "csv gradient",
+        "rows.csv",
+        "shard_id,worker_id,owner_id,gradient\nx,a,a,abc\n",
+        "line 2: gradient must be a number",
+    ),
     ("json not an array", "rows.json", '{"rows": []}', "expected a JSON array of rows"),
     ("unknown extension", "rows.txt", "[]", "cannot tell the format"),
 ]

@@ -17,10 +17,13 @@ from typing import Any, NoReturn
 
 from gradagg import io
 from gradagg.errors import GradaggError
-from gradagg.reference import microbatch_mean, owner_sum
+from gradagg.progress import progress_for
+from gradagg.reference import NonFinite, microbatch_mean, owner_sum
 from gradagg.verify import CONTRACTS, run_checks
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# The engine names of gradagg.engine.ENGINES, repeated so that `gradagg --help` imports no engine code.
+ENGINES = ("auto", "python", "numpy", "torch")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,16 +55,24 @@ def _add_input_options(p: argparse.ArgumentParser, formats: str) -> None:
     p.add_argument("file", metavar="FILE", help="input file, or - for standard input (then --format is needed)")
     p.add_argument("--format", choices=io.FORMATS, help=f"input format (default: from the extension; {formats})")
     p.add_argument("-o", "--output", metavar="OUT",
-                   help="write the result to OUT atomically (.csv writes CSV, anything else JSON) instead of stdout")
+                   help="write the result to OUT atomically (.parquet writes Parquet, .csv CSV, anything else JSON) "
+                        "instead of stdout")
     p.add_argument("--nonfinite", choices=("propagate", "raise"), default="propagate",
                    help="NaN/Inf in a counted gradient: let it flow into the result (default) or fail")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="auto (default): the streaming numpy engine for Parquet, the pure-Python reference for "
+                        "JSON/JSONL/CSV (there parsing the text dominates); python: the reference (reads the whole "
+                        "file into memory); numpy, torch: the columnar engines")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line (one is drawn on stderr for long Parquet inputs, only on a terminal)")
 
 
 def _add_owner_sum(sub: Any) -> None:
     p = sub.add_parser("owner-sum", help="sum each shard's gradient over its owner's rows only",
                        description="Rows [shard_id, worker_id, owner_id, gradient]: sum the rows where worker equals "
                                    "owner, grouped by shard; print sorted [[shard, total], ...] as JSON.")
-    _add_input_options(p, "JSON array of rows, JSON Lines of arrays or objects, CSV with a header")
+    _add_input_options(p, "JSON array of rows, JSON Lines of arrays or objects, CSV with a header, Parquet "
+                          "columns shard_id, worker_id, owner_id, gradient")
     p.set_defaults(handler=_run_owner_sum)
 
 
@@ -69,7 +80,8 @@ def _add_mean(sub: Any) -> None:
     p = sub.add_parser("mean", help="mean of each parameter over all microbatches, absent counting as zero",
                        description="M microbatches of P values (null/empty = absent): print the P means "
                                    "sum/M as JSON. Activity counters are accepted and never used as the divisor.")
-    _add_input_options(p, 'JSON {"rows": ..., "active_counts": ...} or array, JSON Lines, CSV')
+    _add_input_options(p, 'JSON {"rows": ..., "active_counts": ...} or array, JSON Lines, CSV; Parquet: one '
+                          "column per microbatch, one row per parameter, null = absent")
     p.set_defaults(handler=_run_mean)
 
 
@@ -88,10 +100,23 @@ def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small model on 2 local processes and compare with the full batch",
                        description="The main job: distributed training with gradagg against the single-process "
                                    "full-batch gradient and the known wrong approaches.")
-    from gradagg import demo  # light at import: torch is loaded only when the demo runs
+    p.__class__ = _DemoParser  # add_parser takes no parser class before Python 3.13; same fields, one more method
 
-    demo.add_arguments(p)
-    p.set_defaults(handler=demo.run)
+
+class _DemoParser(_Parser):
+    """The ``demo`` subcommand's parser: it imports :mod:`gradagg.demo` only when ``gradagg demo`` is parsed.
+
+    Importing the demo module costs ~30 ms, a tenth of a whole ``gradagg owner-sum`` on a 10^7-row file;
+    argparse asks a subcommand's parser to parse only when that subcommand was named.
+    """
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.get_default("handler") is None:
+            from gradagg import demo  # light at import: torch is loaded only when the demo runs
+
+            demo.add_arguments(self)
+            self.set_defaults(handler=demo.run)
+        return super().parse_known_args(args, namespace)
 
 
 # --- handlers --------------------------------------------------------------------
@@ -99,16 +124,57 @@ def _add_demo(sub: Any) -> None:
 
 def _run_owner_sum(args: argparse.Namespace) -> int:
     fmt = io.detect_format(args.file, args.format)
-    rows = io.read_owner_rows(io.read_text(args.file), fmt, source=_source(args.file))
-    _emit(owner_sum(rows, nonfinite=args.nonfinite), args.output, "owner-sum")
+    with progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if fmt == "parquet":
+            shards, totals = _parquet().owner_sum_file(args.file, engine=args.engine, nonfinite=args.nonfinite,
+                                                       progress=progress)
+        else:
+            rows = io.read_owner_rows(io.read_text(args.file), fmt, source=_source(args.file))
+            shards, totals = _owner_sum_rows(rows, args.engine, args.nonfinite)
+    if _is_parquet(args.output):
+        _parquet().write_owner_sum(args.output, shards, totals)
+    else:
+        # Tuples, not lists: json writes them alike, and a million small lists cost a second to build.
+        _emit(list(zip(_tolist(shards), _tolist(totals))), args.output, "owner-sum")
     return EXIT_OK
+
+
+def _owner_sum_rows(rows: list[Any], engine: str, nonfinite: NonFinite) -> tuple[Any, Any]:
+    """Owner-sum over parsed rows: the reference for python/auto, else the columnar engine."""
+    if engine in ("auto", "python"):
+        result = owner_sum(rows, nonfinite=nonfinite)
+        return [s for s, _ in result], [t for _, t in result]
+    from gradagg.engine import owner_sum_columns
+
+    return owner_sum_columns(*io.owner_columns(rows), engine=engine, nonfinite=nonfinite)
 
 
 def _run_mean(args: argparse.Namespace) -> int:
     fmt = io.detect_format(args.file, args.format)
-    rows, counts = io.read_microbatches(io.read_text(args.file), fmt, source=_source(args.file))
-    _emit(microbatch_mean(rows, counts, nonfinite=args.nonfinite), args.output, "microbatch-mean")
+    with progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if fmt == "parquet":
+            means = _parquet().microbatch_mean_file(args.file, engine=args.engine, nonfinite=args.nonfinite,
+                                                    progress=progress)
+        else:
+            rows, counts = io.read_microbatches(io.read_text(args.file), fmt, source=_source(args.file))
+            means = _mean_rows(rows, counts, args.engine, args.nonfinite)
+    if _is_parquet(args.output):
+        _parquet().write_mean(args.output, means)
+    else:
+        _emit([float(x) for x in _tolist(means)], args.output, "microbatch-mean")
     return EXIT_OK
+
+
+def _mean_rows(rows: list[Any], counts: list[Any] | None, engine: str, nonfinite: NonFinite) -> Any:
+    """The microbatch mean over parsed rows: the reference for python/auto, else the columnar engine."""
+    if engine in ("auto", "python"):
+        return microbatch_mean(rows, counts, nonfinite=nonfinite)
+    microbatch_mean([], counts)  # the reference's check of the counters (never a divisor) on no rows
+    if not rows:
+        return []
+    from gradagg.engine import microbatch_mean_columns
+
+    return microbatch_mean_columns(rows, engine=engine, nonfinite=nonfinite)
 
 
 def _run_verify(args: argparse.Namespace) -> int:
@@ -146,6 +212,25 @@ def _source(path: str) -> str:
     return "<stdin>" if path == "-" else path
 
 
+def _is_parquet(output: str | None) -> bool:
+    return output is not None and output.lower().endswith(".parquet")
+
+
+def _tolist(values: Any) -> list[Any]:
+    """Plain Python numbers and strings from a NumPy array, a torch tensor or a list (for JSON and CSV)."""
+    if hasattr(values, "detach"):
+        values = values.detach().cpu()
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _parquet() -> Any:
+    """:mod:`gradagg.parquet`, imported only when a Parquet file is read or written (it loads pyarrow, numpy)."""
+    try:
+        return importlib.import_module("gradagg.parquet")
+    except ImportError as exc:
+        _fail(f"Parquet needs pyarrow and numpy ({exc}); install them with: pip install 'gradagg[parquet]'")
+
+
 def _emit(result: Any, output: str | None, contract: str) -> None:
     if output is None:
         print(io.dumps_result(result))
@@ -160,16 +245,41 @@ def _version() -> str:
     return __version__
 
 
+def _keep_numba_out() -> None:
+    """Run the NumPy engine without numba in this process, unless ``GRADAGG_NUMBA`` says otherwise.
+
+    The numpy engine compiles its fused loops with numba when it can import it
+    (same answers either way; the engine tests check both paths). In a command
+    that runs once, importing numba and loading its cached kernels costs ~0.5 s
+    and more at exit: more than the kernels save on a 10^7-row file, where the
+    whole run takes about as long (bench/results_cli.md). ``GRADAGG_NUMBA=1``
+    lets numba back in; the switch is read by :mod:`gradagg.backends._kernels`.
+    """
+    os.environ.setdefault("GRADAGG_NUMBA", "0")
+
+
 # --- entry point -----------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status.
+
+    Called as the program (``argv`` None: the ``gradagg`` script, ``python -m
+    gradagg``), the process is short-lived, so numba is kept out of it; see
+    :func:`_keep_numba_out`. Called with an ``argv`` list, nothing global changes.
+    """
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in ("owner-sum", "mean"):
+        _keep_numba_out()
     try:
         return int(args.handler(args))
     except GradaggError as exc:
         _fail(str(exc))
+    except BrokenPipeError:
+        # The reader went away (`gradagg ... | head`): not an input error. Point stdout at
+        # /dev/null so Python's flush at exit does not complain, and exit like `head`'s writers do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
         # File not found, permission denied, a full disk: name the file and the reason.
         where = f"{exc.filename}: " if exc.filename else ""

@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any, Literal, TypeAlias
 
-from gradagg.errors import FormatError
+from gradagg.errors import FormatError, RowShapeError
 
 Format: TypeAlias = Literal["json", "jsonl", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("json", "jsonl", "csv", "parquet")
@@ -54,7 +54,7 @@ def detect_format(path: str, explicit: str | None) -> str:
     if explicit is not None:
         return explicit
     if path == "-":
-        raise FormatError("reading stdin ('-') needs --format (json, jsonl or csv)")
+        raise FormatError("reading stdin ('-') needs --format (json, jsonl, csv or parquet)")
     ext = os.path.splitext(path)[1].lower()
     if ext not in _EXTENSIONS:
         raise FormatError(f"{path}: cannot tell the format from extension {ext!r}; pass --format")
@@ -88,6 +88,25 @@ def read_owner_rows(text: str, fmt: str, source: str = "input") -> list[Any]:
     if fmt == "csv":
         return list(_owner_rows_from_csv(text, source))
     raise FormatError(f"{source}: format {fmt!r} is not readable here")
+
+
+def owner_columns(rows: list[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """Owner-sum rows as four columns (shard, worker, owner, gradient) for the columnar engines.
+
+    Only the row shape is checked here (the same message as the reference's);
+    the engine checks the ids and gradients and names their rows.
+
+    >>> owner_columns([["x", "a", "a", 1], ["y", "b", "c", 2]])
+    (['x', 'y'], ['a', 'b'], ['a', 'c'], [1, 2])
+    """
+    for r, row in enumerate(rows):
+        if isinstance(row, (str, bytes, dict)) or not isinstance(row, (list, tuple)):
+            raise RowShapeError(f"row {r}: expected a list [shard_id, worker_id, owner_id, gradient], got {row!r}")
+        if len(row) != 4:
+            raise RowShapeError(
+                f"row {r}: expected 4 fields [shard_id, worker_id, owner_id, gradient], got {len(row)}: {list(row)!r}"
+            )
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
 
 
 def _owner_row_from_json(value: Any, line: int, source: str) -> Any:
