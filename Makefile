@@ -39,8 +39,11 @@ lint: $(DEV_STAMP)
 typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy src
 
+# The benchmarks print tables of medians and ratios; bench/RESULTS.md records a run.
 bench: $(BENCH_STAMP)
 	$(PY) bench/bench_engines.py
+	$(PY) bench/bench_cli.py
+	$(PY) bench/bench_training.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,29 @@
+"""Two local gloo ranks with uneven microbatch counts: gradagg divides by the counted M.
+
+Run: python examples/accumulate_two_ranks.py
+Rank 0 runs 1 microbatch and rank 1 runs 3; the gradient of each microbatch is its input x,
+so the exact mean is (0 + 10 + 11 + 12) / 4 = 8.25 on every rank. DDP with `loss / local_count`
+would give ((0) / 1 + (10 + 11 + 12) / 3) / 2 = 5.5.
+"""
+
+import torch
+import torch.distributed as dist
+
+from gradagg.torch import MicrobatchAccumulator, run_local_world
+
+
+def train_step(counts: list[int]) -> tuple[int | None, list[float]]:
+    rank = dist.get_rank()
+    model = torch.nn.Linear(2, 1, bias=False)
+    acc = MicrobatchAccumulator(model)
+    for k in range(counts[rank]):  # rank 0 runs 1 microbatch, rank 1 runs 3
+        with acc.microbatch():
+            x = torch.full((1, 2), float(10 * rank + k))
+            model(x).sum().backward()  # the unscaled loss; its gradient is x
+    ledger = acc.finish()  # one all_reduce: gradients, M and participation
+    assert model.weight.grad is not None
+    return ledger.divisor, model.weight.grad.flatten().tolist()
+
+
+if __name__ == "__main__":
+    print(run_local_world(train_step, 2, [1, 3]))  # (0 + 10 + 11 + 12) / M, M = 4
