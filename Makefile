@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.dev-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench bench-deps clean
 
 $(DEV_STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,8 @@ lint: $(DEV_STAMP)
 
 typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy src
+
+bench-deps: $(BENCH_STAMP)
 
 # The benchmarks print tables of medians and ratios; bench/RESULTS.md records a run.
 bench: $(BENCH_STAMP)
