@@ -10,7 +10,7 @@ generation itself stays in bounded memory; files live in ``bench/data/``
     flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_cli.py            # the full run (~5 min)
     .venv/bin/python bench/bench_cli.py --rows 1000000 --big-rows 0 --repeat 3  # a quick look
 
-The table goes to stdout as Markdown; ``bench/results_cli.md`` records a run.
+The table goes to stdout as Markdown; ``bench/RESULTS.md`` records a run.
 """
 
 from __future__ import annotations

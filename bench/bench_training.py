@@ -9,7 +9,8 @@ One run measures, side by side (interleaved, medians):
    the same bytes. Target: at most 1.2x. Collectives per call counted (targets: 1, 1, and 1 scalar for
    ``grad_norm``; ownership verification is a separate, once-per-declaration collective).
 
-Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write bench/results_training.md]``
+Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write PATH]``;
+bench/RESULTS.md records a run.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def _keep_numba_out() -> None:
     (same answers either way; the engine tests check both paths). In a command
     that runs once, importing numba and loading its cached kernels costs ~0.5 s
     and more at exit: more than the kernels save on a 10^7-row file, where the
-    whole run takes about as long (bench/results_cli.md). ``GRADAGG_NUMBA=1``
+    whole run takes about as long (bench/RESULTS.md). ``GRADAGG_NUMBA=1``
     lets numba back in; the switch is read by :mod:`gradagg.backends._kernels`.
     """
     os.environ.setdefault("GRADAGG_NUMBA", "0")

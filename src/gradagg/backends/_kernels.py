@@ -3,7 +3,7 @@
 Why a compiler: the owner-sum is ``totals[shard] += gradient where worker ==
 owner``. In NumPy that takes a compare pass, a masking pass and a scatter pass,
 each reading or writing a full column (~4x the memory-read floor at 10^7 rows,
-see ``bench/results_engines.md``); the fused loop below reads each column once.
+see ``bench/RESULTS.md``); the fused loop below reads each column once.
 Every kernel adds a shard's rows one at a time **in row order**, which is what
 makes float totals bit-identical to the pure-Python reference. Without numba,
 :data:`AVAILABLE` is False and :mod:`gradagg.backends.numpy` uses its NumPy
