@@ -165,7 +165,23 @@ def microbatch_mean_columns(
     return convert.values_back(means)
 
 
-class OwnerSumAccumulator:
+class _BatchFed:
+    """What both accumulators share: the options, and the backend resolved on the first batch."""
+
+    def __init__(self, *, engine: str = "auto", nonfinite: str = "propagate") -> None:
+        _check_options(engine, nonfinite)
+        self._engine = engine
+        self._nonfinite = nonfinite
+        self._impl: Any = None
+        self._convert: _Converter | None = None
+
+    @property
+    def engine(self) -> str | None:
+        """The engine in use: resolved on the first batch, ``None`` before it."""
+        return None if self._impl is None else self._engine
+
+
+class OwnerSumAccumulator(_BatchFed):
     """Owner-only shard reduction fed in batches of rows.
 
     Memory grows with the number of distinct shards (and, for small-range
@@ -189,18 +205,6 @@ class OwnerSumAccumulator:
     >>> [a.tolist() for a in acc.result()]
     [[1, 2], [5, 4]]
     """
-
-    def __init__(self, *, engine: str = "auto", nonfinite: str = "propagate") -> None:
-        _check_options(engine, nonfinite)
-        self._engine = engine
-        self._nonfinite = nonfinite
-        self._impl: Any = None
-        self._convert: _Converter | None = None
-
-    @property
-    def engine(self) -> str | None:
-        """The engine in use: resolved on the first batch, ``None`` before it."""
-        return None if self._impl is None else self._engine
 
     def update(self, shard_ids: Any, worker_ids: Any = None, owner_ids: Any = None, gradients: Any = None) -> None:
         """Feed a batch of rows: four columns, or one Arrow table/record batch.
@@ -239,7 +243,7 @@ class OwnerSumAccumulator:
         self._impl = _backend(self._engine).OwnerSumAccumulator(nonfinite=self._nonfinite)
 
 
-class MicrobatchMeanAccumulator:
+class MicrobatchMeanAccumulator(_BatchFed):
     """The microbatch mean fed a few microbatches at a time.
 
     Keeps one float64 sum per parameter (memory O(P)) and the count M of
@@ -260,18 +264,6 @@ class MicrobatchMeanAccumulator:
     >>> acc.result().tolist()
     [3.0, 3.0]
     """
-
-    def __init__(self, *, engine: str = "auto", nonfinite: str = "propagate") -> None:
-        _check_options(engine, nonfinite)
-        self._engine = engine
-        self._nonfinite = nonfinite
-        self._impl: Any = None
-        self._convert: _Converter | None = None
-
-    @property
-    def engine(self) -> str | None:
-        """The engine in use: resolved on the first batch, ``None`` before it."""
-        return None if self._impl is None else self._engine
 
     def update(self, values: Any, present: Any = None) -> None:
         """Feed k microbatches: ``values`` of shape ``(k, P)`` and their ``present`` mask.
