@@ -25,10 +25,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
+import torch
 from gradagg.torch import (
     MicrobatchAccumulator,
     Ownership,
@@ -37,6 +36,7 @@ from gradagg.torch import (
     owner_reduce,
     run_local_world,
 )
+from torch import nn
 
 M = 8  # microbatches per step
 MICROBATCH = 16  # samples per microbatch

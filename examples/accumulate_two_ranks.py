@@ -9,7 +9,8 @@ would give ((0) / 1 + (10 + 11 + 12) / 3) / 2 = 5.5.
 import torch
 import torch.distributed as dist
 
-from gradagg.torch import MicrobatchAccumulator, run_local_world
+from gradagg.testing import run_local_world
+from gradagg.torch import MicrobatchAccumulator
 
 
 def train_step(counts: list[int]) -> tuple[int | None, list[float]]:

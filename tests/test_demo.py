@@ -90,7 +90,7 @@ def test_demo_exits_1_when_gradagg_misses(
 def test_demo_in_a_given_world(tmp_path: Path) -> None:
     """Called on every rank of an initialised 2-rank world (as under torchrun), the demo trains in that
     world instead of starting one; every rank returns the same status, 0, and rank 0 writes the plot."""
-    from gradagg.torch import run_local_world
+    from gradagg.testing import run_local_world
 
     statuses = run_local_world(demo.run, 2, _args(tmp_path, "--steps", "3", "--quiet"), timeout_s=60.0)
     assert statuses == [0, 0]

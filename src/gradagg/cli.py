@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from gradagg import io
 from gradagg.errors import GradaggError
+from gradagg.formats import text as io
 from gradagg.progress import progress_for
 from gradagg.reference import NonFinite, microbatch_mean, owner_sum
 from gradagg.verify import CONTRACTS, run_checks
@@ -224,9 +224,9 @@ def _tolist(values: Any) -> list[Any]:
 
 
 def _parquet() -> Any:
-    """:mod:`gradagg.parquet`, imported only when a Parquet file is read or written (it loads pyarrow, numpy)."""
+    """:mod:`gradagg.formats.parquet`, imported only when a Parquet file is read or written (pyarrow, numpy)."""
     try:
-        return importlib.import_module("gradagg.parquet")
+        return importlib.import_module("gradagg.formats.parquet")
     except ImportError as exc:
         _fail(f"Parquet needs pyarrow and numpy ({exc}); install them with: pip install 'gradagg[parquet]'")
 

@@ -233,7 +233,7 @@ def _run_in_given_world(cfg: Config) -> tuple[int, Outcome]:
 
 def _run_local(cfg: Config) -> Outcome:
     """Start W local gloo ranks on loopback (gradagg.torch's launcher) and return rank 0's outcome."""
-    from gradagg.torch import launch_local_world
+    from gradagg.testing import launch_local_world
 
     outcomes = launch_local_world(_train, cfg.world_size, cfg, collective_timeout_s=_TIMEOUT_S, timeout_s=120.0)
     failed = [o for o in outcomes if not o.ok]
@@ -406,7 +406,6 @@ class _GradaggStep:
 
     def __call__(self, mine: list[Microbatch]) -> Params:
         import torch
-
         from gradagg.torch import owner_reduce
 
         head = self.params[HEAD]
@@ -441,8 +440,9 @@ class _Local:
 
 def _wrong_step(name: str, st: _State, mine: list[Microbatch], cfg: Config, rank: int) -> Params:
     """Combine the ranks' gradients the wrong way ``name`` does; each rank gets the same result."""
-    import torch
     import torch.distributed as dist
+
+    import torch
 
     local = _local_sums(st.params, mine)
     local.stale = st.stale
@@ -557,8 +557,9 @@ def _sgd(p: Params, grads: Params) -> None:
 
 def _max_over_ranks(rec: StepRecord) -> None:
     """Replace each error by its maximum over ranks, so that rank 0 reports every rank's worst."""
-    import torch
     import torch.distributed as dist
+
+    import torch
 
     errors = torch.tensor([rec.error[a] for a in APPROACHES], dtype=torch.float64)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
@@ -623,7 +624,7 @@ def _write_plot(path: str, cfg: Config, outcome: Outcome) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from gradagg.io import atomic_path
+    from gradagg.formats.text import atomic_path
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)  # the Agg canvas, without pyplot's global state

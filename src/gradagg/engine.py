@@ -437,8 +437,7 @@ def _backend(engine: str) -> Any:
     """Import and return the backend module for a resolved engine name."""
     import importlib
 
-    name = {"python": "_python"}.get(engine, engine)
-    return importlib.import_module(f"gradagg.backends.{name}")
+    return importlib.import_module(f"gradagg.backends.{engine}")
 
 
 def _torch_backend() -> Any:
@@ -446,7 +445,9 @@ def _torch_backend() -> Any:
 
 
 def _arrow_module() -> Any:
-    return _backend("_arrow")
+    import importlib
+
+    return importlib.import_module("gradagg.formats.arrow")
 
 
 def _importable(name: str) -> bool:

@@ -12,11 +12,8 @@ exposes the same names:
 
 Nothing here imports a framework: importing :mod:`gradagg.backends` is free,
 and each backend module imports its framework itself. :mod:`gradagg.engine` is
-the one place that chooses a backend for an input; the private modules
-(``_checks``, ``_factor``, ``_kernels``, ``_arrow``, ``_python``) are shared
-helpers of the backends.
+the one place that chooses a backend for an input. :mod:`gradagg.backends.python`
+is the reference itself behind the same names (slow, obviously right); the
+private modules (``_checks``, ``_factor``, ``_kernels``) are shared helpers of
+the fast backends.
 """
-
-from __future__ import annotations
-
-BACKENDS: tuple[str, ...] = ("numpy", "torch")

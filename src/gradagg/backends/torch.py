@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
+import torch
 from gradagg.backends import _checks, _factor, _kernels
 from gradagg.backends import numpy as numpy_backend
 from gradagg.errors import (

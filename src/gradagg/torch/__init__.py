@@ -7,7 +7,6 @@
 * :func:`grad_norm` and :func:`clip_grad_norm_`: the global norm with each parameter counted once;
   one scalar collective.
 * :func:`count_collectives`: count what the above send (tests, benchmarks).
-* :func:`run_local_world` / :func:`launch_local_world`: a local gloo world for tests and demos.
 
 Every function takes ``group=None``: the default process group when one is initialised, and a
 plain process with no communication when none is.
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 from gradagg.torch.accumulate import Ledger, MicrobatchAccumulator
 from gradagg.torch.collectives import CollectiveCount, count_collectives
-from gradagg.torch.launch import RankOutcome, launch_local_world, run_local_world
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.ownership import Ownership, ShardSpec
 from gradagg.torch.reduce import owner_reduce
@@ -27,12 +25,9 @@ __all__ = [
     "Ledger",
     "MicrobatchAccumulator",
     "Ownership",
-    "RankOutcome",
     "ShardSpec",
     "clip_grad_norm_",
     "count_collectives",
     "grad_norm",
-    "launch_local_world",
     "owner_reduce",
-    "run_local_world",
 ]

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
 from gradagg.torch._buffers import ReusableBuffer
 
 NonFinite = Literal["propagate", "raise"]

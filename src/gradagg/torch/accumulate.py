@@ -27,9 +27,9 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import torch
 from gradagg.errors import GradaggError, NonFiniteGradientError, WindowError
 from gradagg.torch._buffers import ReusableBuffer
 from gradagg.torch._flat import NonFinite, _all_finite, _FlatLayout

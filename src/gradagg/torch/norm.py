@@ -21,7 +21,6 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
-
 from gradagg.errors import IdError, NonFiniteGradientError
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, is_distributed
 from gradagg.torch.ownership import Ownership, ShardId

@@ -20,7 +20,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-
 from gradagg.errors import CollectiveError, IdError
 from gradagg.torch._buffers import ReusableBuffer
 from gradagg.torch.collectives import (

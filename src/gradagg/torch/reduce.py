@@ -10,7 +10,6 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
-
 from gradagg.errors import CollectiveError, GradaggError, GradientShapeError, IdError
 from gradagg.torch.collectives import (
     Group,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-import pytest
-import torch
-
 import dist_workers as w
+import pytest
+
+import torch
 from gradagg.errors import GradaggError, NonFiniteGradientError, WindowError
 from gradagg.mutants import MICROBATCH_MEAN_MUTANTS
 from gradagg.reference import microbatch_mean

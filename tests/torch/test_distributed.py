@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import pytest
-import torch
-
 import dist_workers as w
+import pytest
+
+import torch
 from gradagg.mutants import OWNER_SUM_MUTANTS
-from gradagg.torch import launch_local_world, run_local_world
+from gradagg.testing import launch_local_world, run_local_world
 
 COLLECTIVE_TIMEOUT_S = 5.0  # short: a dead or stalled peer must become an error within seconds
 # One set of options for every world of this test process: the fork server starts once, with these.

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
+import torch
 from gradagg.errors import CollectiveError, GradientShapeError, IdError
 from gradagg.reference import owner_sum
 from gradagg.torch import Ownership, ShardSpec, count_collectives, owner_reduce

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 
 import gradagg
+import torch
 from gradagg import engine as engine_module
 from gradagg.backends import numpy as numpy_backend
 from gradagg.backends import torch as torch_backend
@@ -34,7 +34,7 @@ from gradagg.errors import (
     UnorderableShardError,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def python(code: str) -> str:

@@ -1,7 +1,8 @@
-"""Start a local world of N gloo processes, fast, and collect what each rank returns.
+"""Local worlds for tests, demos and ``gradagg parity``: N gloo processes, started fast.
 
-For tests, benchmarks and the demo on one machine (under ``torchrun`` use the
-given world instead). Design choices, each for a trap met in practice:
+Not part of the training API: training code uses the world ``torchrun`` (or
+any launcher) gives it. This module starts one on one machine and collects
+what each rank returns. Design choices, each for a trap met in practice:
 
 * **forkserver with torch preloaded**: the server imports torch once; each rank
   is a fork of it (about 0.1 s instead of seconds of ``import torch``). The
@@ -38,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+import torch
 from gradagg.errors import CollectiveError
 
 _PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]

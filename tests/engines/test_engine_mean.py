@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
+import torch
 from gradagg import mutants, reference
 from gradagg.backends import numpy as numpy_backend
 from gradagg.backends import torch as torch_backend

@@ -1,4 +1,4 @@
-"""gradagg.parquet in-process: schemas, streaming against the reference, nulls, NaN, writers, memory promises.
+"""gradagg.formats.parquet in-process: schemas, streaming against the reference, nulls, NaN, writers, memory promises.
 
 Every streamed result is compared with :func:`gradagg.reference.owner_sum` (or
 ``microbatch_mean``) on the same rows: floats must be equal, not close, because
@@ -20,8 +20,9 @@ np = pytest.importorskip("numpy")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from gradagg import parquet, reference  # noqa: E402  (after the importorskips)
+from gradagg import reference  # noqa: E402
 from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError  # noqa: E402
+from gradagg.formats import parquet  # noqa: E402  (after the importorskips)
 
 ENGINES = ["numpy", "python", "torch"]
 
@@ -302,7 +303,7 @@ def test_parquet_path_imports_neither_pandas_nor_torch(tmp_path: Path) -> None:
     path = write(tmp_path, owner_table(owner_rows(9, 50, strings=True, dim=2), dim=2))
     mean = write(tmp_path, microbatch_table(microbatch_rows(9, 2, 50)), "mean.parquet")
     code = (
-        "import sys; from gradagg import parquet as p; "
+        "import sys; from gradagg.formats import parquet as p; "
         f"s, t = p.owner_sum_file({path!r}); p.write_owner_sum({str(tmp_path / 'o.parquet')!r}, s, t); "
         f"p.write_mean({str(tmp_path / 'm.parquet')!r}, p.microbatch_mean_file({mean!r})); "
         "print(sorted(m for m in ('pandas', 'torch') if m in sys.modules))"

@@ -54,9 +54,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradagg import io
 from gradagg.engine import MicrobatchMeanAccumulator, OwnerSumAccumulator
 from gradagg.errors import FormatError, GradientTypeError, IdError, NonFiniteGradientError
+from gradagg.formats import text as io
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]

@@ -1,0 +1,46 @@
+"""Option values shared by every entry point, each with its one check (standard library only).
+
+The command line offers these values as ``choices``; the reference, the engine
+and the training code call the checks. A value is defined here and nowhere
+else, so the entry points cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeAlias
+
+from gradagg.errors import GradaggError
+
+NonFinite: TypeAlias = Literal["propagate", "raise"]
+NONFINITE: tuple[str, ...] = ("propagate", "raise")
+"""``"propagate"``: NaN and Inf are values and flow into the result; ``"raise"``: a counted one is an error."""
+
+Engine: TypeAlias = Literal["auto", "python", "numpy", "torch"]
+ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "torch")
+"""``"auto"`` lets :mod:`gradagg.engine` choose by the input's kind; the others name a backend."""
+
+
+def check_nonfinite(nonfinite: object) -> NonFinite:
+    """Return ``nonfinite`` if it is one of :data:`NONFINITE`, else raise naming the value.
+
+    >>> check_nonfinite("raise")
+    'raise'
+    >>> check_nonfinite("ignore")
+    Traceback (most recent call last):
+    ...
+    gradagg.errors.GradaggError: nonfinite must be 'propagate' or 'raise', got 'ignore'
+    """
+    if not isinstance(nonfinite, str) or nonfinite not in NONFINITE:
+        raise GradaggError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+    return nonfinite  # type: ignore[return-value]
+
+
+def check_engine(engine: object) -> Engine:
+    """Return ``engine`` if it is one of :data:`ENGINES`, else raise naming the value.
+
+    >>> check_engine("numpy")
+    'numpy'
+    """
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise GradaggError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    return engine  # type: ignore[return-value]
