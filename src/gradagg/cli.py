@@ -1,6 +1,6 @@
 """The ``gradagg`` command line: parse, read, call, write; nothing else.
 
-Exit status: 0 success, 1 verification failed (``verify``, ``demo``), 2 usage
+Exit status: 0 success, 1 a check failed (``verify``, ``demo``, ``parity``), 2 usage
 or input error, reported as one line ``gradagg: error: ...`` on stderr, never a
 traceback.
 """
@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from gradagg.errors import GradaggError
 from gradagg.formats import text as io
+from gradagg.formats.atomic import write_atomic
 from gradagg.progress import progress_for
 from gradagg.reference import NonFinite, microbatch_mean, owner_sum
 from gradagg.verify import CONTRACTS, run_checks
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mean(sub)
     _add_verify(sub)
     _add_demo(sub)
+    _add_parity(sub)
     return parser
 
 
@@ -100,11 +102,25 @@ def _add_demo(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small model on 2 local processes and compare with the full batch",
                        description="The main job: distributed training with gradagg against the single-process "
                                    "full-batch gradient and the known wrong approaches.")
-    p.__class__ = _DemoParser  # add_parser takes no parser class before Python 3.13; same fields, one more method
+    _lazy(p, "gradagg.demo")
 
 
-class _DemoParser(_Parser):
-    """The ``demo`` subcommand's parser: it imports :mod:`gradagg.demo` only when ``gradagg demo`` is parsed.
+def _add_parity(sub: Any) -> None:
+    p = sub.add_parser("parity", help="check your own distributed training step against the one-process full batch",
+                       description="Run SCRIPT.py's step() on local gloo worlds of several microbatch layouts and "
+                                   "compare every gradient with the full-batch one; print the observations as JSON; "
+                                   "exit 0 if every layout matches, 1 otherwise.")
+    _lazy(p, "gradagg.parity")
+
+
+def _lazy(parser: argparse.ArgumentParser, module: str) -> None:
+    """Give ``parser`` its options and handler from ``module`` (``add_arguments``, ``run``) only when it parses."""
+    parser.__class__ = _LazyParser  # add_parser takes no parser class before Python 3.13; same fields, one more method
+    parser.set_defaults(lazy_module=module)
+
+
+class _LazyParser(_Parser):
+    """A subcommand's parser that imports its module only when that subcommand is parsed.
 
     Importing the demo module costs ~30 ms, a tenth of a whole ``gradagg owner-sum`` on a 10^7-row file;
     argparse asks a subcommand's parser to parse only when that subcommand was named.
@@ -112,10 +128,9 @@ class _DemoParser(_Parser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if self.get_default("handler") is None:
-            from gradagg import demo  # light at import: torch is loaded only when the demo runs
-
-            demo.add_arguments(self)
-            self.set_defaults(handler=demo.run)
+            module = importlib.import_module(self.get_default("lazy_module"))  # light: torch loads when it runs
+            module.add_arguments(self)
+            self.set_defaults(handler=module.run)
         return super().parse_known_args(args, namespace)
 
 
@@ -236,7 +251,7 @@ def _emit(result: Any, output: str | None, contract: str) -> None:
         print(io.dumps_result(result))
         return
     is_csv = output.lower().endswith(".csv")
-    io.write_atomic(output, io.result_to_csv(result, contract) if is_csv else io.dumps_result(result) + "\n")
+    write_atomic(output, io.result_to_csv(result, contract) if is_csv else io.dumps_result(result) + "\n")
 
 
 def _version() -> str:

@@ -624,7 +624,7 @@ def _write_plot(path: str, cfg: Config, outcome: Outcome) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    from gradagg.formats.text import atomic_path
+    from gradagg.formats.atomic import atomic_path
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)  # the Agg canvas, without pyplot's global state

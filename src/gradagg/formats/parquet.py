@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 
 from gradagg.engine import MicrobatchMeanAccumulator, OwnerSumAccumulator
 from gradagg.errors import FormatError, GradientTypeError, IdError, NonFiniteGradientError
-from gradagg.formats import text as io
+from gradagg.formats.atomic import atomic_path
 
 T = TypeVar("T")
 Progress = Callable[[int, int], None]
@@ -593,7 +593,7 @@ def write_mean(path: str, means: Any) -> None:
 
 
 def _write(path: str, table: pa.Table) -> None:
-    with io.atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
