@@ -1,0 +1,59 @@
+"""A tiny token-level language model and a window of variable-length sequences, for the parity examples.
+
+Each microbatch holds 2 sequences padded to LENGTH; padding targets are IGNORE (-100), so the valid
+token counts differ from microbatch to microbatch: 12, 16, 11, 19, 5, 24, 5, 3 (95 in all; 58 in the
+first half, 37 in the second). Unequal counts are what make a wrong divisor visible: with equal ones
+a mean of means equals the mean. float64, so a right step matches the full batch to ~1e-16.
+"""
+
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torch
+
+VOCAB, DIM, LENGTH, IGNORE = 11, 6, 12, -100
+LENGTHS = [(3, 9), (12, 4), (5, 6), (12, 7), (4, 1), (12, 12), (2, 3), (1, 2)]  # valid tokens per sequence
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # deterministic: the same weights on every call, in every process
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, VOCAB)).double()
+
+
+def microbatches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    window = []
+    for lengths in LENGTHS:
+        inputs = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
+        targets = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
+        for row, valid in enumerate(lengths):
+            targets[row, valid:] = IGNORE
+        window.append((inputs, targets))
+    return window
+
+
+def full_batch_loss(model: torch.nn.Module, microbatches: list) -> torch.Tensor:
+    """The truth: one forward over the whole window, cross-entropy averaged over all its valid tokens."""
+    inputs = torch.cat([x for x, _ in microbatches])
+    targets = torch.cat([y for _, y in microbatches])
+    return F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1), ignore_index=IGNORE)
+
+
+def token_loss(model: torch.nn.Module, microbatch: tuple, reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of one microbatch: summed over its valid tokens (default), or their mean."""
+    inputs, targets = microbatch
+    logits = model(inputs).reshape(-1, VOCAB)
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE, reduction=reduction)
+
+
+def n_tokens(microbatch: tuple) -> int:
+    """Valid (not padding) target tokens of one microbatch."""
+    return int((microbatch[1] != IGNORE).sum())
+
+
+def all_reduce_grads(model: torch.nn.Module) -> None:
+    """Sum every gradient over the ranks; a rank that ran no microbatch adds zeros (it still must join)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)

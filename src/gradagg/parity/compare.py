@@ -1,0 +1,286 @@
+"""Judging one layout: every rank's gradients against the one-process truth, and what a miss looks like.
+
+Relative error of a parameter p on a rank, with g its gradient there and t the truth's::
+
+    error(p) = ||g - t|| / max(||t||, FLOOR * ||T||)
+
+norms over all of p's entries (Frobenius), T the whole model's truth gradient. Per parameter, so a
+small layer's miss is not drowned by a large one's; norm-based, so one entry near zero does not
+blow up; the floor keeps a parameter whose true gradient is (near) zero from being judged by its
+round-off alone. A layout passes when error(p) <= rtol for every parameter on every rank. Absent
+(``grad is None``), zero and NaN stay apart: a gradient where the truth has none, none where it has
+one, or a non-finite entry fails whatever the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gradagg.parity.layouts import Layout, format_layout
+
+if TYPE_CHECKING:
+    import torch
+
+    Grads = Mapping[str, torch.Tensor | None]
+
+# Below 1% of the whole gradient's norm a parameter is judged against that 1%: float32 round-off of
+# a parameter is about 1e-5 of the whole norm on the examples (error 7e-5 on a layer at 6% of it), so
+# its relative error stays under the float32 tolerance; a real miss by a factor k on a parameter of
+# size s * ||T|| still shows as |k - 1| * s / 0.01, caught down to s ~ 1e-5 in float32.
+FLOOR = 1e-2
+# Default tolerance by the lowest precision among the parameters. float64: two orders of summation
+# differ by ~1e-15 relative (measured 7e-16 on the examples): 1e-9 leaves a margin of 10^6 and still
+# tells a divisor off by one in 10^8. float32: measured up to 7e-5 (cross-entropy gradients cancel
+# across tokens, which amplifies round-off): 1e-3 leaves a margin of 10; divisor mistakes on
+# variable-length data miss by 1e-2 and more. Half precision: not measured, only a coarse check.
+RTOL_BY_DTYPE = {"torch.float64": 1e-9, "torch.float32": 1e-3, "torch.float16": 5e-2, "torch.bfloat16": 5e-2}
+_RTOL_OTHER = 1e-3
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The one-process full-batch gradients, with their norms and the floor of the relative error."""
+
+    grads: dict[str, torch.Tensor | None]
+    norms: dict[str, float]
+    floor: float
+
+    @classmethod
+    def of(cls, grads: dict[str, torch.Tensor | None]) -> Truth:
+        """Wrap the truth's gradients (name -> tensor or None)."""
+        norms = {n: _norm(g) for n, g in grads.items() if g is not None}
+        return cls(grads, norms, FLOOR * math.sqrt(sum(v * v for v in norms.values())))
+
+    def scale(self, name: str) -> float:
+        """What an error on ``name`` is relative to: its truth's norm, or the floor when that is larger."""
+        return max(self.norms.get(name, 0.0), self.floor)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """One parameter on one rank: its relative error (inf: not comparable, nan: not finite) and why."""
+
+    name: str
+    rank: int
+    error: float
+    problem: str | None = None
+
+    @property
+    def key(self) -> float:
+        """Sort key: NaN counts as the worst."""
+        return math.inf if math.isnan(self.error) else self.error
+
+
+def default_rtol(truth: Truth) -> float:
+    """The default ``--rtol`` for the truth's dtypes: the loosest of theirs (see ``RTOL_BY_DTYPE``)."""
+    dtypes = {str(g.dtype) for g in truth.grads.values() if g is not None}
+    return max(RTOL_BY_DTYPE.get(d, _RTOL_OTHER) for d in dtypes)
+
+
+def compare_rank(rank: int, grads: Grads, truth: Truth) -> list[Miss]:
+    """Every parameter of one rank against the truth."""
+    misses = []
+    for name, t in truth.grads.items():
+        if name not in grads:
+            misses.append(Miss(name, rank, math.inf, f"rank {rank}: the model has no parameter {name!r}"))
+            continue
+        error, problem = _param_error(name, grads[name], t, truth)
+        misses.append(Miss(name, rank, error, None if problem is None else f"rank {rank}: {problem}"))
+    return misses
+
+
+def _param_error(name: str, g: torch.Tensor | None, t: torch.Tensor | None, truth: Truth) -> tuple[float, str | None]:
+    import torch
+
+    if g is None and t is None:
+        return 0.0, None  # absent on both sides: agreed
+    if t is None:
+        what = "all zeros" if g is not None and not bool(g.any()) else f"norm {_norm(g):.3g}"
+        return math.inf, f"{name!r} has a gradient ({what}) where the full batch has none: absent is not zero"
+    if g is None:
+        return math.inf, f"{name!r} has no gradient; the full batch's has norm {truth.norms[name]:.3g}"
+    if g.shape != t.shape:
+        return math.inf, (f"{name!r} has a gradient of shape {list(g.shape)}, the full batch's is {list(t.shape)} "
+                          "(a shard, not gathered?)")
+    bad = int((~torch.isfinite(g)).sum())
+    if bad:
+        return math.nan, f"{name!r} has {bad} non-finite entries (NaN or Inf) out of {g.numel()}"
+    return _norm(g.double() - t.double()) / truth.scale(name), None
+
+
+def _norm(t: torch.Tensor | None) -> float:
+    return 0.0 if t is None else float(t.double().norm())
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() * b.double()).sum())
+
+
+# --- the observation of one layout ------------------------------------------------------------
+
+
+def judge(layout: Layout, truth: Truth, results: Mapping[int, Grads], failures: Mapping[int, str],
+          rtol: float) -> dict[str, Any]:
+    """The observation of one layout, in the ``gradagg verify`` form plus what locates the miss.
+
+    Args:
+        layout: microbatches per rank.
+        truth: the one-process gradients.
+        results: rank -> its gradients, for the ranks whose step returned.
+        failures: rank -> what went wrong, for the others.
+        rtol: the tolerance of the relative error.
+
+    Returns:
+        ``{"check", "actual", "expected", "passed", "layout", "parameter", "rank", "ratio", "diagnosis"}``.
+    """
+    check = f"layout {format_layout(layout)}: gradients match the one-process full batch"
+    if failures:
+        return _ordered(check, layout, rtol, _failed_ranks(failures, sorted(results)))
+    misses = [m for rank in sorted(results) for m in compare_rank(rank, results[rank], truth)]
+    worst = max(misses, key=lambda m: m.key)
+    passed = all(m.error <= rtol for m in misses)
+    ratio, diagnosis = (None, "every rank matches the full batch on every parameter") if passed else \
+        diagnose(layout, truth, results, misses, rtol)
+    actual: Any = worst.problem if worst.problem is not None and not math.isnan(worst.error) else _json(worst.error)
+    return _ordered(check, layout, rtol, {"actual": actual, "passed": passed, "parameter": worst.name,
+                                          "rank": worst.rank, "ratio": ratio, "diagnosis": diagnosis})
+
+
+def _ordered(check: str, layout: Layout, rtol: float, found: dict[str, Any]) -> dict[str, Any]:
+    """The verify form's keys first, in its order, then where and why."""
+    return {"check": check, "actual": found["actual"], "expected": f"<= {rtol:g}", "passed": found["passed"],
+            "layout": list(layout), **{k: found[k] for k in ("parameter", "rank", "ratio", "diagnosis")}}
+
+
+def _failed_ranks(failures: Mapping[int, str], returned: list[int]) -> dict[str, Any]:
+    # A rank that failed first-hand comes first; the ones that failed waiting for it in a collective after.
+    ordered = sorted(failures, key=lambda r: (_secondary(failures[r]), r))
+    first = ordered[0]
+    why = f"rank {first}: {failures[first]}"
+    if len(ordered) > 1:
+        why += f"; then rank {', '.join(str(r) for r in ordered[1:])}, waiting for it"
+    elif _secondary(failures[first]) and returned:
+        ranks = ", ".join(str(r) for r in returned)
+        why += (f" (rank {ranks} returned from step() while rank {first} waited for it in a collective: does every "
+                "rank run the same collectives, a rank with no microbatch included?)")
+    return {"actual": "; ".join(f"rank {r}: {failures[r]}" for r in ordered), "passed": False, "parameter": None,
+            "rank": first, "ratio": None, "diagnosis": why}
+
+
+def _secondary(message: str) -> bool:
+    """Whether a failure reads like the consequence of a peer's (a collective that timed out or lost its peer)."""
+    text = message.lower()
+    return any(s in text for s in ("gloo", "connection", "timed out", "timeout", "peer", "nccl"))
+
+
+def _json(x: float) -> Any:
+    return x if math.isfinite(x) else repr(x)
+
+
+# --- what a miss looks like -----------------------------------------------------------------
+
+
+def diagnose(layout: Layout, truth: Truth, results: Mapping[int, Grads], misses: list[Miss],
+             rtol: float) -> tuple[float | None, str]:
+    """(the one factor between the step's gradients and the truth, if there is one; a sentence for a human)."""
+    problem = _presence_problem(layout, results, misses)
+    if problem is not None:
+        return None, problem
+    disagreement = _disagreement(truth, results, rtol)
+    if disagreement is not None:
+        return None, disagreement
+    worst_rank = max(misses, key=lambda m: m.key).rank
+    return _scale(layout, truth, results[worst_rank], rtol)
+
+
+def _presence_problem(layout: Layout, results: Mapping[int, Grads], misses: list[Miss]) -> str | None:
+    for rank in sorted(results):
+        if results[rank] and all(g is None for g in results[rank].values()):
+            return (f"rank {rank}: step() left every gradient None: did it train the model it was given? "
+                    "(prepare() must wrap the model, not copy it)")
+    for m in sorted(misses, key=lambda m: (not math.isnan(m.error), m.rank)):
+        if m.problem is not None:
+            empty = math.isnan(m.error) and layout[m.rank] == 0
+            return m.problem + (f" (rank {m.rank} ran no microbatch: a division by zero?)" if empty else "")
+    return None
+
+
+def _disagreement(truth: Truth, results: Mapping[int, Grads], rtol: float) -> str | None:
+    ranks = sorted(results)
+    for rank in ranks[1:]:
+        gaps = [(_norm(g.double() - results[ranks[0]][n].double()) / truth.scale(n), n)  # type: ignore[union-attr]
+                for n, g in results[rank].items() if g is not None and results[ranks[0]].get(n) is not None]
+        gap, name = max(gaps, default=(0.0, ""))
+        if gap > rtol:
+            return (f"ranks disagree: {name!r} on rank {rank} differs from rank {ranks[0]}'s by {gap:.2g} "
+                    "(relative): are the gradients all-reduced across ranks?")
+    return None
+
+
+def _scale(layout: Layout, truth: Truth, grads: Grads, rtol: float) -> tuple[float | None, str]:
+    """Project each significant parameter's gradient on its truth: one factor everywhere is a divisor's mark."""
+    ratios, residuals = [], []
+    for name, t in truth.grads.items():
+        g = grads.get(name)
+        if t is None or g is None or truth.norms[name] < truth.floor:
+            continue  # near-zero truths carry no reliable ratio
+        r = _dot(g, t) / _dot(t, t)
+        ratios.append(r)
+        residuals.append(_norm(g.double() - r * t.double()) / truth.scale(name))
+    if not ratios:
+        return None, "no parameter has a gradient large enough to compare"
+    lo, hi = min(ratios), max(ratios)
+    if max(residuals) <= rtol and hi - lo <= 2 * rtol * max(abs(lo), abs(hi)):
+        ratio = (lo + hi) / 2
+        return ratio, ratio_text(ratio, len(layout), sum(layout), rtol)
+    return None, (f"no single factor: projected on the truth, the gradients are {lo:.3g}x to {hi:.3g}x it per "
+                  "parameter and point elsewhere: the microbatches or ranks are weighted unlike the full batch "
+                  "(a mean of per-microbatch or per-rank means?)")
+
+
+def ratio_text(ratio: float, world: int, window: int, rtol: float = 1e-3) -> str:
+    """The sentence for gradients that are ``ratio`` times the truth on every parameter.
+
+    Args:
+        ratio: the common factor.
+        world: ranks in the layout.
+        window: microbatches in the window (M).
+        rtol: how close a factor must be to a count to be named after it.
+
+    Returns:
+        A sentence that names the likely divisor mistake.
+
+    >>> ratio_text(0.5, 1, 8)
+    'grads are 0.5x the truth on every parameter: a divisor twice too large?'
+    """
+    if abs(ratio) <= rtol:
+        return "every gradient is zero: did step() leave zeros in .grad?"
+    if ratio < 0:
+        return f"grads are {ratio:.3g}x the truth on every parameter: a sign flipped?"
+    head = f"grads are {ratio:.3g}x the truth on every parameter: "
+    if ratio < 1:
+        k = 1 / ratio
+        return head + f"a divisor {_times(k, rtol)} too large" + (_hint(k, world, window, rtol, "large") or "?")
+    hint = _hint(ratio, world, window, rtol, "small") or " (a division left out?)"
+    return head + f"a divisor {_times(ratio, rtol)} too small" + hint
+
+
+def _times(k: float, rtol: float) -> str:
+    return "twice" if _near(k, 2, rtol) else f"{k:.3g} times"
+
+
+def _hint(k: float, world: int, window: int, rtol: float, direction: str) -> str:
+    if world > 1 and _near(k, world, rtol):
+        what = "divided by the ranks on top of a global divisor" if direction == "large" else \
+            "summed over the ranks where a mean belongs"
+        return f" (the world size, {world}: {what}?)"
+    if window > 1 and _near(k, window, rtol):
+        return f" (the number of microbatches, {window}: divided by M, or not, where another divisor belongs?)"
+    return ""
+
+
+def _near(k: float, n: int, rtol: float) -> bool:
+    return abs(k / n - 1) <= max(10 * rtol, 1e-9)

@@ -1,0 +1,101 @@
+"""The rank side of ``gradagg parity``: what every process of a local world runs.
+
+:func:`run_rank` is the worker that :func:`gradagg.testing.launch_local_world` starts (a module-level
+function, so that each rank can import it by name). It imports SCRIPT.py from its path, builds the
+model, lets ``prepare`` wrap it, runs ``step`` on this rank's consecutive slice of the window and
+reads every parameter's gradient by name from the model that ``build_model()`` returned.
+
+A failure in the user's code is caught and returned, so the rank exits at once: a peer waiting
+for it in a collective then fails fast (its connection closes) instead of waiting out the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gradagg.parity.digest import data_digest, model_digest
+from gradagg.parity.layouts import Layout, rank_slice
+from gradagg.parity.script import describe, load_script, read_grad, user_output
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class RankResult:
+    """What one rank hands back.
+
+    Attributes:
+        rank: the rank.
+        failure: None when every phase returned; else ``"step() raised ZeroDivisionError: ..."``.
+        model_digest: digest of the model ``build_model()`` gave on this rank, before ``prepare``.
+        window_digest: digest of the window ``microbatches()`` gave on this rank.
+        grads: parameter name -> gradient after ``step`` (None: no gradient), in ``named_parameters()`` order.
+    """
+
+    rank: int
+    failure: str | None = None
+    model_digest: dict[str, str] = field(default_factory=dict)
+    window_digest: str = ""
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def run_rank(path: str, layout: Layout) -> RankResult:
+    """Run SCRIPT.py's step on this rank's share of the window; return its gradients (never raises).
+
+    Args:
+        path: SCRIPT.py, an absolute path.
+        layout: microbatches per rank; this rank runs ``layout[rank]`` consecutive ones.
+
+    Returns:
+        The rank's :class:`RankResult`.
+    """
+    import torch.distributed as dist
+
+    _stdout_to_stderr()
+    rank = dist.get_rank()
+    result = RankResult(rank=rank)
+    phase = "loading the script"
+    try:
+        script = load_script(path)
+        phase = "microbatches()"
+        with user_output():
+            window = list(script.module.microbatches())
+        result.window_digest = data_digest(window)
+        phase = "build_model()"
+        with user_output():
+            model = script.module.build_model()
+        result.model_digest = model_digest(model)
+        wrapped = _prepared(script.module, model) if script.has_prepare else model
+        phase = "step()"
+        with user_output():
+            script.module.step(wrapped, window[rank_slice(layout, rank)])
+        phase = "reading the gradients"  # DTensor grads: full_tensor() is a collective, same order on every rank
+        result.grads = {name: read_grad(p) for name, p in model.named_parameters()}
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: whatever stops the user's code
+        result.failure = f"{phase} raised {describe(exc)}{_where(exc, path)}"
+    return result
+
+
+def _prepared(module: Any, model: Any) -> Any:
+    with user_output():
+        wrapped = module.prepare(model)
+    if wrapped is None:
+        raise ValueError("prepare(model) returned None; it must return the model, wrapped or not")
+    return wrapped
+
+
+def _where(exc: BaseException, path: str) -> str:
+    """`` (at SCRIPT.py line 12)``: the deepest frame of the traceback that is in the user's script."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == path]
+    return f" (at {os.path.basename(path)} line {frames[-1].lineno})" if frames else ""
+
+
+def _stdout_to_stderr() -> None:
+    """Point this rank's stdout at stderr: the parent's stdout carries the observations' JSON only."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

@@ -1,0 +1,138 @@
+"""The comparison, on hand-made gradients (no processes): relative error, floor, absence, NaN, diagnoses.
+
+The property tests cover the class of divisor mistakes: any gradients that are k times the truth
+(k away from 1 by more than the tolerance) fail and report k; gradients within the tolerance pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from gradagg.parity.compare import FLOOR, Truth, default_rtol, judge, ratio_text  # noqa: E402
+
+RTOL = 1e-9
+
+
+def _truth(**grads: torch.Tensor | None) -> Truth:
+    return Truth.of(dict(grads))
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def test_relative_error_is_per_parameter_and_norm_based() -> None:
+    """a (norm 5) is off by 1e-3 of its norm, b (norm 100) exact: the worst is a at 1e-3, not 5e-3 / 100.
+
+    a is above the floor (1% of the whole norm, ~1.0), so it is judged against its own norm.
+    """
+    truth = _truth(a=_t(3.0, 4.0), b=_t(100.0))
+    got = {"a": _t(3.0, 4.0 + 5e-3), "b": _t(100.0)}
+    o = judge((1,), truth, {0: got}, {}, rtol=RTOL)
+    assert o["parameter"] == "a" and o["actual"] == pytest.approx(1e-3)
+    assert o["passed"] is False and o["expected"] == "<= 1e-09"
+
+
+def test_a_near_zero_truth_is_judged_against_the_floor() -> None:
+    """b's truth is 0: its error 1e-6 is measured against 1% of the whole norm (5), not against 0."""
+    truth = _truth(a=_t(3.0, 4.0), b=_t(0.0))
+    o = judge((1,), truth, {0: {"a": _t(3.0, 4.0), "b": _t(1e-6)}}, {}, rtol=1e-3)
+    assert truth.floor == pytest.approx(FLOOR * 5.0)
+    assert o["parameter"] == "b" and o["actual"] == pytest.approx(1e-6 / (FLOOR * 5.0)) and o["passed"]
+
+
+@pytest.mark.parametrize(("truth_b", "got_b", "message"), [
+    (None, _t(0.0, 0.0), "'b' has a gradient (all zeros) where the full batch has none: absent is not zero"),
+    (_t(1.0, 1.0), None, "'b' has no gradient; the full batch's has norm 1.41"),
+    (_t(1.0, 1.0), _t(1.0), "'b' has a gradient of shape [1], the full batch's is [2] (a shard, not gathered?)"),
+])
+def test_absent_and_present_never_match_whatever_the_tolerance(truth_b: torch.Tensor | None,
+                                                               got_b: torch.Tensor | None, message: str) -> None:
+    truth = _truth(a=_t(1.0), b=truth_b)
+    o = judge((1,), truth, {0: {"a": _t(1.0), "b": got_b}}, {}, rtol=0.99)
+    assert o["passed"] is False and o["actual"] == f"rank 0: {message}"
+
+
+def test_absent_on_both_sides_agrees() -> None:
+    o = judge((1,), _truth(a=_t(1.0), b=None), {0: {"a": _t(1.0), "b": None}}, {}, rtol=0.0)
+    assert o["passed"] is True and o["actual"] == 0.0
+
+
+def test_nan_fails_whatever_the_tolerance_and_is_strict_json() -> None:
+    o = judge((1,), _truth(a=_t(1.0, 2.0)), {0: {"a": _t(math.nan, 2.0)}}, {}, rtol=0.99)
+    assert o["passed"] is False and o["actual"] == "nan"
+    assert "1 non-finite entries (NaN or Inf) out of 2" in o["diagnosis"]
+
+
+def test_failed_ranks_put_the_first_hand_failure_first() -> None:
+    failures = {0: "step() raised RuntimeError: Connection closed by peer", 1: "step() raised KeyError: 'x'"}
+    o = judge((2, 2), _truth(a=_t(1.0)), {}, failures, rtol=RTOL)
+    assert o["passed"] is False and o["rank"] == 1
+    assert o["actual"] == "rank 1: step() raised KeyError: 'x'; rank 0: step() raised RuntimeError: Connection " \
+                          "closed by peer"
+    assert o["diagnosis"] == "rank 1: step() raised KeyError: 'x'; then rank 0, waiting for it"
+
+
+def test_ranks_that_disagree_are_named_before_any_ratio() -> None:
+    truth = _truth(a=_t(1.0, 1.0))
+    o = judge((1, 1), truth, {0: {"a": _t(1.0, 1.0)}, 1: {"a": _t(2.0, 1.0)}}, {}, rtol=RTOL)
+    assert o["diagnosis"].startswith("ranks disagree: 'a' on rank 1 differs from rank 0's")
+
+
+@pytest.mark.parametrize(("ratio", "world", "window", "text"), [
+    (0.5, 2, 8, "a divisor twice too large (the world size, 2: divided by the ranks on top of a global divisor?)"),
+    (2.0, 2, 8, "a divisor twice too small (the world size, 2: summed over the ranks where a mean belongs?)"),
+    (8.0, 2, 8, "a divisor 8 times too small (the number of microbatches, 8"),
+    (95.0, 2, 8, "a divisor 95 times too small (a division left out?)"),
+    (0.25, 1, 8, "a divisor 4 times too large?"),
+    (-1.0, 1, 8, "a sign flipped?"),
+    (0.0, 1, 8, "every gradient is zero"),
+])
+def test_ratio_text_names_the_likely_divisor(ratio: float, world: int, window: int, text: str) -> None:
+    assert text in ratio_text(ratio, world, window)
+
+
+_sizes = st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=4)
+_scale = st.floats(min_value=1e-3, max_value=1e3).filter(lambda k: abs(k - 1) > 1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=_sizes, k=_scale, seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_any_common_factor_fails_and_is_reported(sizes: list[int], k: float, seed: int) -> None:
+    """Gradients that are k x the truth everywhere (every rank alike) fail with ratio k and the sentence for k."""
+    gen = torch.Generator().manual_seed(seed)
+    truth = Truth.of({f"p{i}": torch.randn(n, generator=gen, dtype=torch.float64) + 3.0
+                      for i, n in enumerate(sizes)})
+    got = {name: k * t for name, t in truth.grads.items() if t is not None}
+    o = judge((2, 3), truth, {0: got, 1: dict(got)}, {}, rtol=RTOL)
+    assert o["passed"] is False, f"seed {seed}"
+    assert o["ratio"] == pytest.approx(k, rel=1e-9), f"seed {seed}"
+    assert o["diagnosis"].startswith(f"grads are {k:.3g}x the truth on every parameter"), f"seed {seed}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=_sizes, noise=st.floats(min_value=0.0, max_value=0.5), seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_round_off_below_the_tolerance_passes(sizes: list[int], noise: float, seed: int) -> None:
+    """A perturbation of at most half the tolerance (relative to the floor) passes on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    truth = Truth.of({f"p{i}": torch.randn(n, generator=gen, dtype=torch.float64) for i, n in enumerate(sizes)})
+    rtol = 1e-6
+    got = {}
+    for name, t in truth.grads.items():
+        assert t is not None
+        bump = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        got[name] = t + bump / float(bump.norm()) * noise * rtol * truth.scale(name)
+    o = judge((1,), truth, {0: got}, {}, rtol=rtol)
+    assert o["passed"] is True and o["actual"] <= 0.5 * rtol * (1 + 1e-9), f"seed {seed}"
+
+
+def test_default_rtol_follows_the_lowest_precision() -> None:
+    assert default_rtol(_truth(a=_t(1.0))) == 1e-9
+    assert default_rtol(_truth(a=_t(1.0), b=torch.ones(1, dtype=torch.float32))) == 1e-3
+    assert default_rtol(_truth(a=torch.ones(1, dtype=torch.bfloat16))) == 5e-2
