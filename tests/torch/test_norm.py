@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import torch
-from gradagg.errors import CollectiveError, IdError, NonFiniteGradientError
+from gradagg.errors import CollectiveError, GradientShapeError, IdError, NonFiniteGradientError
 from gradagg.torch import Ownership, clip_grad_norm_, count_collectives, grad_norm
 
 
@@ -66,3 +66,73 @@ def test_nonfinite() -> None:
 def test_no_gradients() -> None:
     """Parameters without .grad are skipped; none at all gives norm 0."""
     assert float(grad_norm([torch.zeros(2, requires_grad=True)])) == 0.0
+
+
+def test_float16_norm_does_not_overflow() -> None:
+    """float16 grads of 60000 (each below float16's max 65504): norm sqrt(4) * 60000 = 120000, computed in float32
+    (a float16 per-tensor norm overflows to inf, and the clip would then zero every gradient)."""
+    p = torch.zeros(4, dtype=torch.float16, requires_grad=True)
+    p.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    norm = grad_norm([p])
+    assert norm.dtype == torch.float32 and float(norm) == 120000.0
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "want"),
+    [
+        ((torch.float16, torch.bfloat16), torch.float32),
+        ((torch.float32,), torch.float32),
+        ((torch.float32, torch.float64), torch.float64),
+        ((torch.complex128,), torch.float64),
+    ],
+)
+def test_result_dtype_rule(dtypes: tuple[torch.dtype, ...], want: torch.dtype) -> None:
+    """The result is float64 when some gradient is float64 or complex128, else float32; the value is the norm of
+    grads (3, 4) in each tensor: sqrt(25 * len(dtypes))."""
+    params = []
+    for dtype in dtypes:
+        p = torch.zeros(2, dtype=dtype, requires_grad=True)
+        p.grad = torch.tensor([3.0, 4.0]).to(dtype)
+        params.append(p)
+    norm = grad_norm(params)
+    assert norm.dtype == want
+    assert float(norm) == pytest.approx(5.0 * len(dtypes) ** 0.5, rel=1e-7)  # float32 sqrt
+
+
+def test_clip_scales_mixed_dtypes_and_the_public_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients of three dtypes are scaled by the same coefficient; without the private torch._foreach_mul_ the
+    public per-tensor mul_ gives the very same bits."""
+
+    def clipped() -> list[torch.Tensor]:
+        params = _params(6)
+        for dtype, values in ((torch.float64, [1.0, -2.0, 0.5]), (torch.float16, [0.75, 3.0])):
+            params.append(torch.zeros(len(values), dtype=dtype, requires_grad=True))
+            params[-1].grad = torch.tensor(values, dtype=dtype)
+        clip_grad_norm_(params, 0.25)
+        return [p.grad for p in params]
+
+    with_foreach = clipped()
+    monkeypatch.delattr(torch, "_foreach_mul_")
+    without = clipped()
+    for a, b in zip(with_foreach, without):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in without]))
+    assert float(total) == pytest.approx(0.25, rel=1e-3)  # float16 rounding of one of the gradients
+
+
+def test_shape_against_the_declaration() -> None:
+    """With an ownership, a gradient whose shape differs from its declaration is an error naming both shapes."""
+    p = torch.zeros(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    own = Ownership.from_tensors({"w": torch.zeros(2)}, owners=0)
+    with pytest.raises(GradientShapeError, match=r"'w' has local shape \(3,\); declared \(shape=\(2,\)"):
+        grad_norm({"w": p}, ownership=own)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
+def test_gradients_on_two_devices() -> None:
+    """Gradients on the CPU and on CUDA: the norm of both, and clipping scales each on its own device."""
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, device="cuda", requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 12.0], device="cuda")
+    assert float(clip_grad_norm_([a, b], 6.5)) == pytest.approx(13.0, rel=1e-6)  # float32
+    assert a.grad.tolist() == pytest.approx([1.5, 2.0], rel=1e-6) and b.grad.cpu().tolist() == pytest.approx([0, 6])

@@ -1,14 +1,16 @@
-"""Ownership and owner_reduce in one process, the mismatch message, and the import boundary."""
+"""Ownership and owner_reduce in one process, the mismatch message, the buffer layout, and the import boundary."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import torch
-from gradagg.errors import CollectiveError, GradientShapeError, IdError
+from gradagg.errors import CollectiveError, GradientShapeError, GradientTypeError, IdError
 from gradagg.reference import owner_sum
 from gradagg.torch import Ownership, ShardSpec, count_collectives, owner_reduce
 from gradagg.torch.collectives import _mismatch_message
@@ -76,3 +78,141 @@ def test_import_gradagg_does_not_import_torch() -> None:
     code = "import sys, gradagg; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_from_module_in_one_process() -> None:
+    """No process group: every parameter is one shard owned by rank 0, tied ones under each name, with their
+    shapes and dtypes; owner_reduce then accepts named_parameters-keyed gradients."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2, bias=False).double())
+    model.append(model[0])  # tied: the same module (and parameters) under a second name
+    own = Ownership.from_module(model)
+    assert list(own) == ["0.bias", "0.weight", "1.weight", "2.bias", "2.weight"]
+    assert own.spec("1.weight") == ShardSpec((2, 3), torch.float64, 0) and own.owned_by(0) == list(own)
+    got = owner_reduce({n: torch.ones(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}, own)
+    assert list(got) == ["0.bias", "0.weight", "1.weight"]  # named_parameters() lists each tensor once
+
+
+def test_shape_forms_declare_one_shape() -> None:
+    """A list, a torch.Size and a tuple are one shape: owner_reduce accepts a (2,) gradient for each form."""
+    forms = [ShardSpec([2], torch.float32, 0), ShardSpec(torch.Size([2]), torch.float32, 0)]  # type: ignore[arg-type]
+    for spec in forms:
+        assert spec == ShardSpec((2,), torch.float32, 0) and spec.describe() == "(shape=(2,), dtype=float32, owner=0)"
+        assert owner_reduce({"w": torch.ones(2)}, Ownership({"w": spec}))["w"].tolist() == [1.0, 1.0]
+
+
+def test_bad_shapes_and_dtypes_refused() -> None:
+    """A negative or non-int dimension, or a dtype that is not a torch.dtype, is an IdError naming the shard."""
+    with pytest.raises(IdError, match=r"shard 'w': shape must be a tuple of non-negative ints, got \(2, -1\)"):
+        Ownership({"w": ShardSpec((2, -1), torch.float32, 0)})
+    with pytest.raises(IdError, match="shard 'w': shape"):
+        Ownership({"w": ShardSpec((2.0,), torch.float32, 0)})  # type: ignore[arg-type]
+    with pytest.raises(IdError, match="shard 'w': dtype must be a torch.dtype, got str 'float32'"):
+        Ownership({"w": ShardSpec((2,), "float32", 0)})  # type: ignore[arg-type]
+
+
+def test_contribution_that_is_not_a_tensor() -> None:
+    """A float where a gradient tensor belongs: GradientTypeError naming the shard, not an AttributeError."""
+    own = Ownership({"w": ShardSpec((1,), torch.float32, 0)})
+    with pytest.raises(GradientTypeError, match="shard 'w' is float; expected a tensor"):
+        owner_reduce({"w": 1.0}, own)  # type: ignore[dict-item]
+
+
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]  # fmt: skip
+
+
+@st.composite
+def _declarations(draw: st.DrawFn) -> tuple[int, dict[str, torch.Tensor], Ownership, list[dict[str, torch.Tensor]]]:
+    """W ranks; shards of any dtype and small shape (empty ones too) with arbitrary bit patterns (NaN payloads,
+    -0.0, subnormals, int extremes); each rank's contributions: owned shards (some left out), stale garbage
+    for the others."""
+    world = draw(st.integers(1, 4))
+    values: dict[str, torch.Tensor] = {}
+    owners: dict[str, int] = {}
+    for i in range(draw(st.integers(1, 6))):
+        dtype = draw(st.sampled_from(_DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+        values[f"s{i}"] = _tensor_of(draw, dtype, shape)
+        owners[f"s{i}"] = draw(st.integers(0, world - 1))
+    own = Ownership.from_tensors(values, owners)
+    per_rank = []
+    for rank in range(world):
+        local = {}
+        for s, t in values.items():
+            if owners[s] != rank:
+                local[s] = _tensor_of(draw, t.dtype, tuple(t.shape))  # a stale replica: never read
+            elif draw(st.booleans()) or s == "s0":
+                local[s] = t
+        per_rank.append(local)
+    return world, values, own, per_rank
+
+
+def _special_bits(dtype: torch.dtype) -> list[bytes]:
+    """Bit patterns where a buffer that is not exact shows: -0.0, a signalling NaN, int64's minimum (the bits
+    of float64 -0.0), values beyond 2**24 and 2**53, the extremes, the smallest subnormal."""
+    if dtype.is_floating_point or dtype.is_complex:
+        real = {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+        values = [-0.0, float("inf"), float("-inf"), torch.finfo(real).max, torch.finfo(real).smallest_normal / 4]
+        out = [bytes(torch.tensor([v], dtype=dtype).view(torch.uint8).tolist()) for v in values]
+        if real == torch.float64:
+            signalling = (0x7FF0_0000_0000_0001).to_bytes(8, "little")
+            out += [signalling * (dtype.itemsize // 8)]
+        return out
+    info = torch.iinfo(dtype)
+    values = [info.min, info.max, -1] + ([2**24 + 1, 2**53 + 1, -(2**53) - 1] if dtype == torch.int64 else [])
+    return [bytes(torch.tensor([v], dtype=dtype).view(torch.uint8).tolist()) for v in values if info.min <= v]
+
+
+def _tensor_of(draw: st.DrawFn, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    if dtype == torch.bool:
+        return torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool).reshape(shape)
+    k = dtype.itemsize
+    element = st.one_of(st.sampled_from(_special_bits(dtype)), st.binary(min_size=k, max_size=k))
+    raw = b"".join(draw(st.lists(element, min_size=n, max_size=n)))
+    return torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)[: len(raw)].view(dtype).reshape(shape)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_declarations(), collective=st.sampled_from(["all_reduce", "all_gather"]))
+def test_layout_carries_every_dtype_bit_exactly(case: tuple, collective: str) -> None:  # type: ignore[type-arg]
+    """Every rank packs its buffer, the ranks' buffers are summed as int64 lanes (an all_reduce) or concatenated
+    (an all_gather), and unpacking gives back each contributed shard with the owner's bytes, declared dtype and
+    shape, whatever the dtypes mixed in one declaration; a shard its owner left out is absent."""
+    world, values, own, per_rank = case
+    layout = _Layout(own, world)
+    if collective == "all_reduce":
+        total = sum(layout.pack_all_reduce(local, False, r).clone() for r, local in enumerate(per_rank))
+        got, bad = layout.unpack_all_reduce(total)
+    else:
+        got, bad = layout.unpack_all_gather(
+            torch.cat([layout.pack_all_gather(local, False, r).clone() for r, local in enumerate(per_rank)])
+        )
+    contributed = [s for s in values if s in per_rank[own.owner(s)]]
+    assert list(got) == contributed and bad == []
+    for s in contributed:
+        assert got[s].dtype == values[s].dtype and got[s].shape == values[s].shape
+        assert _bits(got[s]) == _bits(values[s]), s
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_layout_reports_the_bad_rank(collective: str) -> None:
+    """Rank 2 of 3 reports an error: its data is not sent, and every rank reads back [2] as the bad ranks."""
+    own = Ownership({"a": ShardSpec((2,), torch.int64, 2), "b": ShardSpec((1,), torch.float32, 0)})
+    layout = _Layout(own, 3)
+    local = [{"b": torch.ones(1)}, {}, {"a": torch.tensor([5, 6])}]
+    if collective == "all_reduce":
+        got, bad = layout.unpack_all_reduce(
+            sum(layout.pack_all_reduce(x, r == 2, r).clone() for r, x in enumerate(local))
+        )
+    else:
+        got, bad = layout.unpack_all_gather(
+            torch.cat([layout.pack_all_gather(x, r == 2, r).clone() for r, x in enumerate(local)])
+        )
+    assert bad == [2] and list(got) == ["b"]

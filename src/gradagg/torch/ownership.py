@@ -12,25 +12,30 @@ the group declared the same shards, shapes, dtypes and owners (one small
 the digests differ, to name the values).
 :func:`~gradagg.torch.reduce.owner_reduce` and :func:`~gradagg.torch.norm.grad_norm`
 call it for you on first use.
+
+:meth:`Ownership.from_module` reads the table from a module's parameters instead
+of a declaration: DTensor placements and mesh dimension names say who owns each
+piece (see :mod:`gradagg.torch.placements`), and plain tensors are replicas owned
+by rank 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from gradagg.errors import CollectiveError, IdError
 from gradagg.torch._buffers import ReusableBuffer
 from gradagg.torch.collectives import (
     Group,
+    all_gather_object,
     check_same_on_all_ranks,
     get_world_size,
     is_distributed,
 )
-
-ShardId = int | str
-_Declared = tuple[ShardId, tuple[int, ...], str, int]  # (shard, shape, dtype, owner): one fingerprint entry
+from gradagg.torch.placements import Piece, ShardId, ShardMap, owners_from_pieces, piece_of
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,11 @@ class ShardSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     owner: int
+
+    def __post_init__(self) -> None:
+        # torch.Size, lists and tuples describe one shape: one form, so that ranks compare equal
+        if isinstance(self.shape, (list, tuple)):
+            object.__setattr__(self, "shape", tuple(self.shape))
 
     def describe(self) -> str:
         """``(shape=(4, 3), dtype=float32, owner=0)``: the form mismatch messages use."""
@@ -66,18 +76,19 @@ class Ownership:
     (0, (3,), ['b', 'w'])
     """
 
-    def __init__(self, shards: Mapping[ShardId, ShardSpec]) -> None:
-        for shard, spec in shards.items():
+    def __init__(self, shards: ShardMap[ShardSpec]) -> None:
+        given = cast(Mapping[ShardId, ShardSpec], shards)
+        for shard, spec in given.items():
             _check_declaration(shard, spec)
         # One canonical order on every rank (ints before strings, then by value): the buffer layout.
-        self._order: tuple[ShardId, ...] = tuple(sorted(shards, key=_shard_key))
-        self._specs: dict[ShardId, ShardSpec] = {s: shards[s] for s in self._order}
+        self._order: tuple[ShardId, ...] = tuple(sorted(given, key=_shard_key))
+        self._specs: dict[ShardId, ShardSpec] = {s: given[s] for s in self._order}
         self._verified: list[object] = []  # groups this declaration was verified on
         # owner_reduce's flat buffers (all_reduce; gather input; gather output), reused while free
         self._pools = (ReusableBuffer(), ReusableBuffer(), ReusableBuffer())
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[ShardId, torch.Tensor], owners: Mapping[ShardId, int] | int) -> Ownership:
+    def from_tensors(cls, tensors: ShardMap[torch.Tensor], owners: ShardMap[int] | int) -> Ownership:
         """Declare ownership from example tensors (parameters or gradients) and their owners.
 
         Args:
@@ -94,15 +105,50 @@ class Ownership:
         ShardSpec(shape=(2,), dtype=torch.float32, owner=0)
         """
         specs: dict[ShardId, ShardSpec] = {}
-        for shard, tensor in tensors.items():
+        for shard, tensor in cast(Mapping[ShardId, torch.Tensor], tensors).items():
             if isinstance(owners, int):
                 owner = owners
             elif shard in owners:
-                owner = owners[shard]
+                owner = cast(Mapping[ShardId, int], owners)[shard]
             else:
                 raise IdError(f"shard {shard!r} has no owner in the owners mapping (owners given for {sorted(owners)})")
             specs[shard] = ShardSpec(tuple(tensor.shape), tensor.dtype, owner)
         return cls(specs)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, group: Group = None) -> Ownership:
+        """Read ownership from ``module``'s parameters: DTensor placements, else replicas owned by rank 0.
+
+        A collective: call it on every rank of ``group`` at the same point, with the same model. Each
+        parameter is one shard (id: its name) owned by rank 0, except a sharded DTensor, which has one
+        shard per coordinate along its ``Shard`` mesh dimensions (id ``"name[ep=1]"``, see
+        :func:`gradagg.torch.placements.shard_id`), owned by the rank that holds it in the mesh copy
+        containing the group's first rank, at coordinate 0 on its ``Replicate`` dimensions. Tied
+        parameters are declared under each of their names (either form of ``named_parameters`` works).
+        The result is identical on every rank by construction and already verified for ``group``.
+
+        Args:
+            module: the model, on every rank (DTensor parameters as ``distribute_tensor`` or FSDP2 made them).
+            group: a process group, or None for the default one (no group: every parameter owned by rank 0).
+
+        Returns:
+            The declaration, with each shard's local shape and dtype.
+
+        Raises:
+            CollectiveError: on every rank, when the ranks' parameters differ (names, shapes, dtypes,
+                placements or meshes), naming both ranks and both descriptions.
+            PlacementError: on every rank, for a ``Partial`` or unsupported placement, a rank outside its
+                mesh, or mesh copies that overlap; naming the parameter and the ranks.
+
+        >>> Ownership.from_module(torch.nn.Linear(2, 1)).spec("weight")
+        ShardSpec(shape=(1, 2), dtype=torch.float32, owner=0)
+        """
+        pieces = [piece_of(name, p, group) for name, p in module.named_parameters(remove_duplicate=False)]
+        check_same_on_all_ranks([(p.name, p.description) for p in pieces], "parameters", group)
+        owners = owners_from_pieces(cast(list[list[Piece]], all_gather_object(pieces, group)))
+        ownership = cls({s: ShardSpec(shape, dtype, owner) for s, (shape, dtype, owner) in owners.items()})
+        ownership._verified.append(_group_key(group))  # every rank built it from the same gathered pieces
+        return ownership
 
     def __iter__(self) -> Iterator[ShardId]:
         return iter(self._order)
@@ -142,10 +188,6 @@ class Ownership:
         """
         return [s for s in self._order if self._specs[s].owner == rank]
 
-    def fingerprint(self) -> list[_Declared]:
-        """The declaration as plain values, in canonical order: what ranks compare."""
-        return [(s, sp.shape, _dtype_name(sp.dtype), sp.owner) for s, sp in self._specs.items()]
-
     def verify(self, group: Group = None) -> None:
         """Check that every rank of ``group`` declared exactly this ownership; once per group.
 
@@ -173,16 +215,6 @@ class Ownership:
 
 
 # --- declaration helpers -----------------------------------------------------
-
-
-def _buffer_dtype(ownership: Ownership) -> torch.dtype:
-    # One buffer for all shards needs one dtype; the promotion of the declared dtypes holds each of
-    # them exactly (a float32 model stays float32: no extra bytes). Flags 0/1 are exact in any dtype.
-    dtype: torch.dtype | None = None
-    for shard in ownership:
-        d = ownership.spec(shard).dtype
-        dtype = d if dtype is None else torch.promote_types(dtype, d)
-    return dtype if dtype is not None else torch.float32
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -216,6 +248,11 @@ def _check_declaration(shard: object, spec: object) -> None:
         raise IdError(f"shard id must be an int or a string, got {type(shard).__name__} {shard!r}")
     if not isinstance(spec, ShardSpec):
         raise IdError(f"shard {shard!r}: expected a ShardSpec, got {type(spec).__name__} {spec!r}")
+    shape = spec.shape
+    if not isinstance(shape, tuple) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise IdError(f"shard {shard!r}: shape must be a tuple of non-negative ints, got {shape!r}")
+    if not isinstance(spec.dtype, torch.dtype):
+        raise IdError(f"shard {shard!r}: dtype must be a torch.dtype, got {type(spec.dtype).__name__} {spec.dtype!r}")
     if isinstance(spec.owner, bool) or not isinstance(spec.owner, int) or spec.owner < 0:
         raise IdError(f"shard {shard!r}: owner must be a non-negative rank, got {spec.owner!r}")
 

@@ -2,6 +2,14 @@
 
 The distributed form of :func:`gradagg.reference.owner_sum`, laid out by a
 declared :class:`~gradagg.torch.ownership.Ownership`.
+
+Exact for every dtype, in one collective: the buffer holds each shard's raw
+bytes, summed as int64 lanes. Only the owner writes a shard's bytes and every
+other rank writes zeros, and integer addition of zeros returns the owner's bits
+unchanged, whatever they encode: int64 beyond 2**53, NaN payloads, -0.0, complex,
+bool. (A float buffer in the promoted dtype cannot: int64 next to float32 went
+through float32, and a float sum turns -0.0 into +0.0.) One buffer per dtype
+would also be exact, but costs one collective per dtype.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
-from gradagg.errors import CollectiveError, GradaggError, GradientShapeError, IdError
+from gradagg.errors import CollectiveError, GradaggError, GradientShapeError, GradientTypeError, IdError
 from gradagg.torch.collectives import (
     Group,
     all_gather_into,
@@ -20,9 +28,10 @@ from gradagg.torch.collectives import (
     get_world_size,
     is_distributed,
 )
-from gradagg.torch.ownership import Ownership, ShardId, _buffer_dtype, _dtype_name, _numel
+from gradagg.torch.ownership import Ownership, _dtype_name, _numel
+from gradagg.torch.placements import ShardId, ShardMap, is_dtensor
 
-Contributions = Mapping[ShardId, torch.Tensor] | Iterable[tuple[ShardId, torch.Tensor]]
+Contributions = ShardMap[torch.Tensor] | Iterable[tuple[ShardId, torch.Tensor]]
 Collective = Literal["auto", "all_reduce", "all_gather"]
 
 
@@ -98,6 +107,9 @@ def _owned_sums(
     for shard, grad in pairs:
         if shard not in ownership:
             return {}, IdError(f"rank {rank}: contribution for shard {shard!r}, which is not declared in the ownership")
+        if not isinstance(grad, torch.Tensor) or is_dtensor(grad):
+            what = "a DTensor: pass its local piece, grad.to_local()" if is_dtensor(grad) else type(grad).__name__
+            return {}, GradientTypeError(f"rank {rank}: contribution for shard {shard!r} is {what}; expected a tensor")
         spec = ownership.spec(shard)
         if tuple(grad.shape) != spec.shape or grad.dtype != spec.dtype:
             return {}, GradientShapeError(
@@ -106,7 +118,8 @@ def _owned_sums(
             )
         if spec.owner != rank:
             continue  # a replica: held, maybe stale, never counted
-        sums[shard] = grad.detach() if shard not in sums else sums[shard] + grad.detach()
+        # repeats may sit on other devices than the first: added on the first's
+        sums[shard] = grad.detach() if shard not in sums else sums[shard] + grad.detach().to(sums[shard].device)
     return {s: sums[s] for s in ownership if s in sums}, None
 
 
@@ -121,18 +134,30 @@ def _use_gather(collective: Collective, layout: _Layout, group: Group) -> bool:
     return dist.get_backend(group) == "nccl" and layout.gather_moves_fewer_bytes()
 
 
+_ALIGN = 16  # bytes: each shard starts at a multiple of the largest itemsize (complex128), so any dtype can view it
+_LANE = torch.int64  # the buffer's element type; gloo and NCCL both sum int64
+_LANE_BYTES = 8
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 class _Layout:
-    """Where each shard lives in the one flat buffer of an owner_reduce, for a given world size.
+    """Where each shard's bytes live in the one flat buffer of an owner_reduce, for a given world size.
+
+    The buffer is int64 lanes: each shard's raw bytes at a 16-byte aligned offset, then one presence
+    flag per shard and one status flag per rank (see the module docstring for why bytes).
 
     Two collectives can do the owner-only reduction in one call, and they move
-    different amounts. With S elements in all shards and n ranks, a ring
+    different amounts. With S bytes in all shards and n ranks, a ring
     all_reduce of the full buffer (non-owners write zeros) sends about
-    2(n-1)/n * S elements per rank, while an all_gather of each rank's owned part
+    2(n-1)/n * S per rank, while an all_gather of each rank's owned part
     (padded to the largest owner's part, since a collective needs equal sizes)
     sends (n-1) * max_owned. The gather moves fewer bytes when ownership is
     balanced (n * max_owned < 2 * S: half the bytes with n = 2 and an even
     split); the all_reduce when one rank owns most shards. Both are exact: the
-    all_reduce adds zeros to the owner's value, the gather only copies. A
+    all_reduce adds zeros to the owner's bits, the gather only copies. A
     broadcast per owner would be n collectives: not considered. The choice is made
     from the declaration alone, so every rank makes the same one.
     """
@@ -141,86 +166,109 @@ class _Layout:
         self.ownership = ownership
         self.world = world
         self.device = device or torch.device("cpu")
-        self.dtype = _buffer_dtype(ownership)
         self.order = list(ownership)
-        self.numel = {s: _numel(ownership.spec(s).shape) for s in self.order}
+        self.nbytes = {s: _numel(ownership.spec(s).shape) * ownership.spec(s).dtype.itemsize for s in self.order}
         self.owned = [ownership.owned_by(r) for r in range(world)]
-        # per rank: owned elements + one presence flag per owned shard + one status flag
-        self.chunk = max(sum(self.numel[s] + 1 for s in shards) + 1 for shards in self.owned)
-        self.total = sum(self.numel.values())
+        self.offsets = self._offsets(self.order)  # byte offsets in the all_reduce buffer
+        self.data_lanes = sum(_padded(self.nbytes[s]) for s in self.order) // _LANE_BYTES
+        # per rank in the gather: owned bytes + one presence flag per owned shard + one status flag, rounded up
+        # to whole 16-byte units so that rank r's part starts aligned too
+        lanes = max(self._owned_lanes(r) + len(self.owned[r]) + 1 for r in range(world))
+        self.chunk = -(-lanes // (_ALIGN // _LANE_BYTES)) * (_ALIGN // _LANE_BYTES)
 
     def gather_moves_fewer_bytes(self) -> bool:
-        full = self.total + len(self.order) + self.world  # the all_reduce buffer: data, flags, status
+        full = self.data_lanes + len(self.order) + self.world  # the all_reduce buffer: data, flags, status
         return self.world * self.chunk < 2 * full
+
+    # --- all_reduce: every shard in one buffer, non-owners write zeros ---------------------------
+
+    def pack_all_reduce(self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int) -> torch.Tensor:
+        """This rank's buffer: its owned shards' bytes (unless ``bad``), zeros elsewhere (whatever ``local``
+        holds for shards it does not own), then the flags."""
+        n = len(self.order)
+        buf = self.ownership._pools[0].get(self.data_lanes + n + self.world, _LANE, self.device, zero=False)
+        raw = buf.view(torch.uint8)
+        mine = {s: local[s] for s in self.owned[rank] if s in local and not bad}  # only an owner's bytes are sent
+        for shard in self.order:  # every byte written exactly once: no separate zeroing pass
+            self._write(raw, self.offsets[shard], shard, mine.get(shard))
+        flags = [1 if s in mine else 0 for s in self.order] + [0] * self.world
+        flags[n + rank] = 1 if bad else 0
+        buf[self.data_lanes :] = torch.tensor(flags, dtype=_LANE)
+        return buf
+
+    def unpack_all_reduce(self, buf: torch.Tensor) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
+        """The reduced buffer's shards (views) whose owner contributed, and the ranks that reported an error."""
+        n = len(self.order)
+        meta = buf[self.data_lanes :].tolist()
+        raw = buf.view(torch.uint8)
+        result = {s: self._view(raw, self.offsets[s], s) for i, s in enumerate(self.order) if meta[i] != 0}
+        return result, [r for r, v in enumerate(meta[n:]) if v != 0]
 
     def run_all_reduce(
         self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
     ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
-        n = len(self.order)
-        buf = self.ownership._pools[0].get(self.total + n + self.world, self.dtype, self.device, zero=False)
-        flags = [0.0] * n + [0.0] * self.world
-        pos = 0
-        for i, shard in enumerate(self.order):  # every slot written exactly once: no separate zeroing pass
-            slot = buf[pos : pos + self.numel[shard]]
-            if shard in local and not bad:
-                slot.copy_(local[shard].reshape(-1))
-                flags[i] = 1.0  # presence: the owner contributed
-            else:
-                slot.zero_()  # not ours, or nothing from us: zeros, whatever our (stale) copy holds
-            pos += self.numel[shard]
-        flags[n + rank] = 1.0 if bad else 0.0
-        buf[self.total :] = torch.tensor(flags, dtype=self.dtype)
-        all_reduce_sum(buf, group)
-        meta = buf[self.total :].tolist()
-        offsets = self._offsets()
-        result = {s: self._view(buf, offsets[s], s) for i, s in enumerate(self.order) if meta[i] != 0}
-        return result, [r for r, v in enumerate(meta[n:]) if v != 0]
+        buf = self.pack_all_reduce(local, bad, rank)
+        return self.unpack_all_reduce(all_reduce_sum(buf, group))
 
-    def run_all_gather(
-        self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
-    ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
+    # --- all_gather: each rank sends its owned shards only ----------------------------------------
+
+    def pack_all_gather(self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int) -> torch.Tensor:
+        """This rank's part: its owned shards' bytes, presence flags and status, padded to the largest part."""
         mine = self.owned[rank]
-        chunk = self.ownership._pools[1].get(self.chunk, self.dtype, self.device, zero=False)
-        pos = 0
-        for shard in mine:
-            slot = chunk[pos : pos + self.numel[shard]]
-            if shard in local and not bad:
-                slot.copy_(local[shard].reshape(-1))
-            else:
-                slot.zero_()
-            pos += self.numel[shard]
-        flags = [1.0 if (s in local and not bad) else 0.0 for s in mine] + [1.0 if bad else 0.0]
-        chunk[pos : pos + len(flags)] = torch.tensor(flags, dtype=self.dtype)
-        chunk[pos + len(flags) :].zero_()  # padding up to the largest owner's part
-        out = self.ownership._pools[2].get(self.world * self.chunk, self.dtype, self.device, zero=False)
-        all_gather_into(out, chunk, group)
+        chunk = self.ownership._pools[1].get(self.chunk, _LANE, self.device, zero=False)
+        raw = chunk.view(torch.uint8)
+        for shard, offset in self._offsets(mine).items():
+            self._write(raw, offset, shard, None if bad else local.get(shard))
+        lanes = self._owned_lanes(rank)
+        flags = [0 if bad or s not in local else 1 for s in mine] + [1 if bad else 0]
+        chunk[lanes : lanes + len(flags)] = torch.tensor(flags, dtype=_LANE)
+        chunk[lanes + len(flags) :].zero_()  # padding up to the largest owner's part
+        return chunk
+
+    def unpack_all_gather(self, out: torch.Tensor) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
+        """The gathered parts' shards (views) whose owner contributed, and the ranks that reported an error."""
         result: dict[ShardId, torch.Tensor] = {}
         bad_ranks: list[int] = []
         for r in range(self.world):
             part = out[r * self.chunk : (r + 1) * self.chunk]
-            data = sum(self.numel[s] for s in self.owned[r])
-            meta = part[data : data + len(self.owned[r]) + 1].tolist()
-            result.update(self._unpack(part, self.owned[r], meta))
+            lanes = self._owned_lanes(r)
+            meta = part[lanes : lanes + len(self.owned[r]) + 1].tolist()
+            raw = part.view(torch.uint8)
+            for k, (shard, offset) in enumerate(self._offsets(self.owned[r]).items()):
+                if meta[k] != 0:
+                    result[shard] = self._view(raw, offset, shard)
             if meta[-1] != 0:
                 bad_ranks.append(r)
         return {s: result[s] for s in self.order if s in result}, bad_ranks
 
-    def _unpack(self, part: torch.Tensor, shards: list[ShardId], flags: list[float]) -> dict[ShardId, torch.Tensor]:
-        out: dict[ShardId, torch.Tensor] = {}
-        pos = 0
-        for k, shard in enumerate(shards):
-            if flags[k] != 0:
-                out[shard] = self._view(part, pos, shard)
-            pos += self.numel[shard]
-        return out
+    def run_all_gather(
+        self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
+    ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
+        chunk = self.pack_all_gather(local, bad, rank)
+        out = self.ownership._pools[2].get(self.world * self.chunk, _LANE, self.device, zero=False)
+        return self.unpack_all_gather(all_gather_into(out, chunk, group))
 
-    def _offsets(self) -> dict[ShardId, int]:
+    # --- bytes ---------------------------------------------------------------------------------
+
+    def _offsets(self, shards: list[ShardId]) -> dict[ShardId, int]:
         offsets, pos = {}, 0
-        for shard in self.order:
+        for shard in shards:
             offsets[shard] = pos
-            pos += self.numel[shard]
+            pos += _padded(self.nbytes[shard])
         return offsets
 
-    def _view(self, buf: torch.Tensor, offset: int, shard: ShardId) -> torch.Tensor:
+    def _owned_lanes(self, rank: int) -> int:
+        return sum(_padded(self.nbytes[s]) for s in self.owned[rank]) // _LANE_BYTES
+
+    def _write(self, raw: torch.Tensor, offset: int, shard: ShardId, value: torch.Tensor | None) -> None:
+        """The shard's bytes at ``offset``: ``value``'s, or zeros (not ours, or nothing from us); zero padding."""
+        nbytes, padded = self.nbytes[shard], _padded(self.nbytes[shard])
+        if value is None:
+            raw[offset : offset + padded].zero_()  # whatever our (stale) copy holds: it never enters the sum
+            return
+        raw[offset : offset + nbytes].view(value.dtype).copy_(value.reshape(-1))
+        raw[offset + nbytes : offset + padded].zero_()
+
+    def _view(self, raw: torch.Tensor, offset: int, shard: ShardId) -> torch.Tensor:
         spec = self.ownership.spec(shard)
-        return buf[offset : offset + self.numel[shard]].view(spec.shape).to(spec.dtype)
+        return raw[offset : offset + self.nbytes[shard]].view(spec.dtype).view(spec.shape)
