@@ -22,6 +22,20 @@ def test_import_gradagg_loads_no_heavy_framework() -> None:
     assert out.strip() == "[]"
 
 
+def test_help_imports_no_engine_code() -> None:
+    """`gradagg --help` (and each subcommand's) parses only: neither the engine nor any backend is imported."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from gradagg.cli import main\n"
+        "for args in (['--help'], ['owner-sum', '--help'], ['mean', '--help'], ['verify', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(args)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('gradagg.engine', 'gradagg.backends', 'numpy'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_py_typed_is_shipped() -> None:
     assert (Path(gradagg.__file__).parent / "py.typed").exists()
 

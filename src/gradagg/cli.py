@@ -2,29 +2,30 @@
 
 Exit status: 0 success, 1 a check failed (``verify``, ``demo``, ``parity``), 2 usage
 or input error, reported as one line ``gradagg: error: ...`` on stderr, never a
-traceback.
+traceback; 130 interrupted (Ctrl-C), 143 terminated (SIGTERM), 129 hung up (SIGHUP):
+an interrupted run leaves ``-o``'s file as it was and no temporary file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any, NoReturn
 
-from gradagg.errors import GradaggError
-from gradagg.formats import text as io
-from gradagg.formats.atomic import write_atomic
+from gradagg.errors import FormatError, GradaggError, OutputError
+from gradagg.formats import detect, text
+from gradagg.formats.atomic import check_target, write_atomic
+from gradagg.options import CONTRACTS, ENGINES, FORMATS, NONFINITE
 from gradagg.progress import progress_for
-from gradagg.reference import NonFinite, microbatch_mean, owner_sum
-from gradagg.verify import CONTRACTS, run_checks
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# The engine names of gradagg.engine.ENGINES, repeated so that `gradagg --help` imports no engine code.
-ENGINES = ("auto", "python", "numpy", "torch")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,12 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_input_options(p: argparse.ArgumentParser, formats: str) -> None:
-    p.add_argument("file", metavar="FILE", help="input file, or - for standard input (then --format is needed)")
-    p.add_argument("--format", choices=io.FORMATS, help=f"input format (default: from the extension; {formats})")
+    p.add_argument("file", metavar="FILE",
+                   help="input file, or - for standard input: without --format its content tells the format "
+                        "(Parquet by its magic bytes; text starting with [ or { is JSON or JSON Lines: several "
+                        "lines whose first is a whole JSON value are JSON Lines; anything else is CSV)")
+    p.add_argument("--format", choices=FORMATS, help=f"input format (default: from the extension; {formats})")
     p.add_argument("-o", "--output", metavar="OUT",
                    help="write the result to OUT atomically (.parquet writes Parquet, .csv CSV, anything else JSON) "
-                        "instead of stdout")
-    p.add_argument("--nonfinite", choices=("propagate", "raise"), default="propagate",
+                        "instead of stdout; a symbolic link's target is replaced and the link kept; a FIFO or "
+                        "character device (/dev/null) is written in place; a directory is refused")
+    p.add_argument("--nonfinite", choices=NONFINITE, default="propagate",
                    help="NaN/Inf in a counted gradient: let it flow into the result (default) or fail")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): the streaming numpy engine for Parquet, the pure-Python reference for "
@@ -73,17 +78,23 @@ def _add_owner_sum(sub: Any) -> None:
     p = sub.add_parser("owner-sum", help="sum each shard's gradient over its owner's rows only",
                        description="Rows [shard_id, worker_id, owner_id, gradient]: sum the rows where worker equals "
                                    "owner, grouped by shard; print sorted [[shard, total], ...] as JSON.")
-    _add_input_options(p, "JSON array of rows, JSON Lines of arrays or objects, CSV with a header, Parquet "
-                          "columns shard_id, worker_id, owner_id, gradient")
-    p.set_defaults(handler=_run_owner_sum)
+    _add_input_options(p, "JSON array of rows, JSON Lines of arrays or objects, CSV with the header "
+                          "shard_id,worker_id,owner_id,gradient, Parquet columns of those names")
+    p.set_defaults(handler=_run_owner_sum, header=None)
 
 
 def _add_mean(sub: Any) -> None:
     p = sub.add_parser("mean", help="mean of each parameter over all microbatches, absent counting as zero",
                        description="M microbatches of P values (null/empty = absent): print the P means "
-                                   "sum/M as JSON. Activity counters are accepted and never used as the divisor.")
+                                   "sum/M as JSON. Activity counters are accepted and never used as the divisor. "
+                                   "In CSV, no line is ever skipped: a blank line is one empty cell, so an absent "
+                                   "value in a one-column file and an error in a wider one.")
     _add_input_options(p, 'JSON {"rows": ..., "active_counts": ...} or array, JSON Lines, CSV; Parquet: one '
                           "column per microbatch, one row per parameter, null = absent")
+    p.add_argument("--header", action=argparse.BooleanOptionalAction, default=None,
+                   help="CSV only: the first line is a header of parameter names (--header) or a microbatch "
+                        "(--no-header). Default: a header when every cell is a name (not a number, not empty), a "
+                        "microbatch when every cell is a number or empty, otherwise an error naming the line")
     p.set_defaults(handler=_run_mean)
 
 
@@ -94,7 +105,11 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--contract", choices=(*CONTRACTS, "all"), default="all", help="which contract (default: all)")
     p.add_argument("--impl", metavar="MODULE:FUNCTION",
                    help="check this function instead of the built-in one (needs --contract owner-sum or "
-                        "microbatch-mean); e.g. gradagg.mutants:first_replica")
+                        "microbatch-mean), run in a child process in the current folder: what it prints goes to "
+                        "stderr, and a check it does not answer (it exits or hangs) fails; "
+                        "e.g. gradagg.mutants:first_replica")
+    p.add_argument("--timeout", metavar="SECONDS", type=_seconds, default=60.0,
+                   help="with --impl: fail the checks not answered within this many seconds (default: 60)")
     p.set_defaults(handler=_run_verify)
 
 
@@ -138,104 +153,116 @@ class _LazyParser(_Parser):
 
 
 def _run_owner_sum(args: argparse.Namespace) -> int:
-    fmt = io.detect_format(args.file, args.format)
-    with progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
-        if fmt == "parquet":
-            shards, totals = _parquet().owner_sum_file(args.file, engine=args.engine, nonfinite=args.nonfinite,
-                                                       progress=progress)
+    from gradagg import engine
+
+    source = _open_input(args, "owner-sum")
+    with _input_errors(source), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            shards, totals = _owner_sum_parquet(args, progress)
         else:
-            rows = io.read_owner_rows(io.read_text(args.file), fmt, source=_source(args.file))
-            shards, totals = _owner_sum_rows(rows, args.engine, args.nonfinite)
+            rows = text.read_owner_rows(source.text(), source.fmt, source.name)
+            result = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
+            shards, totals = [s for s, _ in result], [t for _, t in result]
     if _is_parquet(args.output):
         _parquet().write_owner_sum(args.output, shards, totals)
     else:
         # Tuples, not lists: json writes them alike, and a million small lists cost a second to build.
-        _emit(list(zip(_tolist(shards), _tolist(totals))), args.output, "owner-sum")
+        _emit(list(zip(engine.python_values(shards), engine.python_values(totals))), args.output, "owner-sum")
     return EXIT_OK
-
-
-def _owner_sum_rows(rows: list[Any], engine: str, nonfinite: NonFinite) -> tuple[Any, Any]:
-    """Owner-sum over parsed rows: the reference for python/auto, else the columnar engine."""
-    if engine in ("auto", "python"):
-        result = owner_sum(rows, nonfinite=nonfinite)
-        return [s for s, _ in result], [t for _, t in result]
-    from gradagg.engine import owner_sum_columns
-
-    return owner_sum_columns(*io.owner_columns(rows), engine=engine, nonfinite=nonfinite)
 
 
 def _run_mean(args: argparse.Namespace) -> int:
-    fmt = io.detect_format(args.file, args.format)
-    with progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
-        if fmt == "parquet":
-            means = _parquet().microbatch_mean_file(args.file, engine=args.engine, nonfinite=args.nonfinite,
-                                                    progress=progress)
+    from gradagg import engine
+
+    source = _open_input(args, "microbatch-mean")
+    with _input_errors(source), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            means = _mean_parquet(args, progress)
         else:
-            rows, counts = io.read_microbatches(io.read_text(args.file), fmt, source=_source(args.file))
-            means = _mean_rows(rows, counts, args.engine, args.nonfinite)
+            rows, counts = text.read_microbatches(source.text(), source.fmt, source.name, header=args.header)
+            means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
     if _is_parquet(args.output):
         _parquet().write_mean(args.output, means)
     else:
-        _emit([float(x) for x in _tolist(means)], args.output, "microbatch-mean")
+        _emit(engine.python_values(means), args.output, "microbatch-mean")
     return EXIT_OK
 
 
-def _mean_rows(rows: list[Any], counts: list[Any] | None, engine: str, nonfinite: NonFinite) -> Any:
-    """The microbatch mean over parsed rows: the reference for python/auto, else the columnar engine."""
-    if engine in ("auto", "python"):
-        return microbatch_mean(rows, counts, nonfinite=nonfinite)
-    microbatch_mean([], counts)  # the reference's check of the counters (never a divisor) on no rows
-    if not rows:
-        return []
-    from gradagg.engine import microbatch_mean_columns
+def _open_input(args: argparse.Namespace, contract: str) -> detect.Input:
+    """Check ``-o`` (before any work), find the input's format and read a text input whole."""
+    if args.output is not None:
+        check_target(args.output)
+    source = detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
+    text.check_header(args.header, source.fmt, source.name)
+    args.source = source.parquet  # what _owner_sum_parquet and _mean_parquet read: a path, or stdin's bytes
+    return source
 
-    return microbatch_mean_columns(rows, engine=engine, nonfinite=nonfinite)
+
+@contextlib.contextmanager
+def _input_errors(source: detect.Input) -> Iterator[None]:
+    """On standard input recognised by content, say which reading failed and which option chooses another."""
+    try:
+        yield
+    except FormatError as exc:
+        if not source.sniffed:
+            raise
+        others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
+        raise FormatError(f"{exc} (standard input was read as {source.fmt}, recognised by its content; "
+                          f"pass --format {others} to read it otherwise)") from None
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    from gradagg.verify import run_checks, run_checks_isolated
+
     if args.impl is not None and args.contract == "all":
         _fail("--impl checks one contract: add --contract owner-sum or --contract microbatch-mean")
-    impl = _load_impl(args.impl) if args.impl else None
     contracts = CONTRACTS if args.contract == "all" else (args.contract,)
     observations: list[dict[str, Any]] = []
     for contract in contracts:
-        for obs in run_checks(contract, impl)["observations"]:
+        if args.impl is None:
+            report = run_checks(contract)
+        else:
+            report, printed = run_checks_isolated(contract, args.impl, timeout=args.timeout)
+            sys.stderr.write(printed if printed.endswith("\n") or not printed else printed + "\n")
+        for obs in report["observations"]:
             label = obs["check"] if len(contracts) == 1 else f"{contract}: {obs['check']}"
             observations.append({**obs, "check": label})
     passed = all(o["passed"] for o in observations)
-    print(json.dumps({"observations": observations, "passed": passed}, ensure_ascii=False))
+    print(json.dumps({"observations": observations, "passed": passed}))
     return EXIT_OK if passed else EXIT_FAILED
 
 
-def _load_impl(spec: str) -> Callable[..., Any]:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        _fail(f"--impl must be MODULE:FUNCTION, got {spec!r}")
-    sys.path.insert(0, os.getcwd())  # so a module in the current folder can be named
+def _seconds(value: str) -> float:
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        _fail(f"--impl {spec}: cannot import module {module_name!r}: {exc}")
-    except AttributeError:
-        _fail(f"--impl {spec}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        _fail(f"--impl {spec}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn  # type: ignore[no-any-return]
-
-
-def _source(path: str) -> str:
-    return "<stdin>" if path == "-" else path
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _is_parquet(output: str | None) -> bool:
     return output is not None and output.lower().endswith(".parquet")
 
 
-def _tolist(values: Any) -> list[Any]:
-    """Plain Python numbers and strings from a NumPy array, a torch tensor or a list (for JSON and CSV)."""
-    if hasattr(values, "detach"):
-        values = values.detach().cpu()
-    return values.tolist() if hasattr(values, "tolist") else list(values)
+# --- Parquet (the columnar side's code: owned by the engine/Parquet helper) -----------------
+
+
+def _owner_sum_parquet(args: argparse.Namespace, progress: Any) -> tuple[Any, Any]:
+    """Owner-sum over the Parquet input ``args.source`` (a path, or standard input as a file): (shards, totals)."""
+    from gradagg.engine import owner_sum_batches
+
+    batches = _parquet().owner_batches(args.source, progress=progress)
+    return owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)  # type: ignore[no-any-return]
+
+
+def _mean_parquet(args: argparse.Namespace, progress: Any) -> Any:
+    """The microbatch mean over the Parquet input ``args.source`` (a path, or standard input as a file)."""
+    from gradagg.engine import microbatch_mean_batches
+
+    batches = _parquet().microbatch_batches(args.source, progress=progress)
+    return microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
 
 
 def _parquet() -> Any:
@@ -247,11 +274,15 @@ def _parquet() -> Any:
 
 
 def _emit(result: Any, output: str | None, contract: str) -> None:
+    """JSON (ASCII: any string survives any terminal) on stdout or in OUT, or CSV in OUT when it ends in .csv."""
+    if output is None and sys.stdout is None:
+        raise OutputError("standard output is closed; pass -o OUT to write the result to a file")
     if output is None:
-        print(io.dumps_result(result))
-        return
-    is_csv = output.lower().endswith(".csv")
-    write_atomic(output, io.result_to_csv(result, contract) if is_csv else io.dumps_result(result) + "\n")
+        print(text.dumps_result(result))
+    elif output.lower().endswith(".csv"):
+        write_atomic(output, text.encode_csv(text.result_to_csv(result, contract), output))
+    else:
+        write_atomic(output, (text.dumps_result(result) + "\n").encode("ascii"))
 
 
 def _version() -> str:
@@ -280,12 +311,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status.
 
     Called as the program (``argv`` None: the ``gradagg`` script, ``python -m
-    gradagg``), the process is short-lived, so numba is kept out of it; see
-    :func:`_keep_numba_out`. Called with an ``argv`` list, nothing global changes.
+    gradagg``), the process is short-lived, so numba is kept out of it (see
+    :func:`_keep_numba_out`), and SIGTERM and SIGHUP become exceptions, so that
+    an output being written is cleaned up as on Ctrl-C. Called with an
+    ``argv`` list, nothing global changes.
     """
     args = build_parser().parse_args(argv)
-    if argv is None and args.command in ("owner-sum", "mean"):
-        _keep_numba_out()
+    if argv is None:
+        _raise_on_termination()
+        if args.command in ("owner-sum", "mean"):
+            _keep_numba_out()
     try:
         return int(args.handler(args))
     except GradaggError as exc:
@@ -299,11 +334,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         # File not found, permission denied, a full disk: name the file and the reason.
         where = f"{exc.filename}: " if exc.filename else ""
         _fail(f"{where}{exc.strerror or exc}")
-    except UnicodeDecodeError as exc:
-        _fail(f"{_source(args.file)}: not UTF-8 text ({exc.reason} at byte {exc.start})")
     except KeyboardInterrupt:
         print("gradagg: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    except _Terminated as exc:
+        print(f"gradagg: stopped by {exc.signal.name}", file=sys.stderr)
+        return 128 + exc.signal
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is so that cleanup runs (a BaseException, like Ctrl-C's)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+def _raise_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into :class:`_Terminated`, unless the caller set them otherwise (e.g. nohup)."""
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _terminate)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> NoReturn:
+    raise _Terminated(signum)
 
 
 if __name__ == "__main__":

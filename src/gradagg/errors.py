@@ -9,6 +9,8 @@ A message always says *where* (row, column, microbatch, rank) and *what*
 
 from __future__ import annotations
 
+_SHOWN = 80  # characters of a value shown in a message: one readable line whatever the input holds
+
 
 class GradaggError(ValueError):
     """Base class of every error gradagg raises for bad input or a broken contract."""
@@ -34,6 +36,10 @@ class UnorderableShardError(GradaggError):
     """Two shard ids cannot be ordered against each other (e.g. ``1`` and ``"a"``)."""
 
 
+class NumberRangeError(GradaggError):
+    """A sum or mean is outside what a float can hold (e.g. a 400-digit integer met by a float)."""
+
+
 class NonFiniteGradientError(GradaggError):
     """A counted gradient is NaN or infinite and the caller asked for an error."""
 
@@ -42,9 +48,27 @@ class FormatError(GradaggError):
     """An input file cannot be parsed in the chosen format."""
 
 
+class OutputError(GradaggError):
+    """The result cannot be written: where ``-o`` points, or in the chosen output format."""
+
+
 class CollectiveError(GradaggError):
     """Ranks of a process group disagree, or a collective failed or timed out."""
 
 
 class WindowError(GradaggError):
     """An accumulation window is in a state that forbids the requested step."""
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` for a message, cut to 80 characters.
+
+    >>> short_repr("x" * 100)[-6:]
+    'xxx...'
+    """
+    try:
+        text = repr(value)
+    except ValueError:  # an int (or a list holding one) beyond Python's digit limit for text
+        big = value if isinstance(value, int) else None
+        text = f"<an int of about {int(big.bit_length() * 0.30103) + 1} digits>" if big else "<too long to show>"
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

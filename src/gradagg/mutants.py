@@ -1,7 +1,10 @@
 """The known wrong fixes, kept so the checks can prove they catch them.
 
 Each mutant has the signature of the contract it gets wrong and is what people
-actually write (the case documents' "failure" and "unsuccessful fix").
+actually write (the case documents' "failure" and "unsuccessful fix", and the
+near miss that forgets a microbatch in which nothing was present). Defined
+here once; :mod:`gradagg.verify`'s tests, the engine and training tests and the
+demo use these.
 ``gradagg verify --impl gradagg.mutants:sum_every_replica`` must exit 1 for
 every one of them; the test suite holds that.
 """
@@ -49,8 +52,23 @@ def divide_by_participation(
     return [s / max(1, n) for s, n in zip(sums, present)]
 
 
+def divide_by_nonempty_microbatches(
+    rows: Sequence[Sequence[object]], active_counts: Sequence[int] | None = None
+) -> list[float]:
+    """Microbatch mean divided by the microbatches with at least one present value instead of M.
+
+    Right until a microbatch runs in which no parameter received a gradient: that
+    microbatch still counts in M.
+    """
+    if not rows:
+        return []
+    divisor = max(1, sum(any(v is not None for v in row) for row in rows))
+    return [sum((row[j] or 0) for row in rows) / divisor for j in range(len(rows[0]))]  # type: ignore[misc]
+
+
 OWNER_SUM_MUTANTS = {"sum_every_replica": sum_every_replica, "first_replica": first_replica}
 MICROBATCH_MEAN_MUTANTS = {
     "divide_by_active_counts": divide_by_active_counts,
     "divide_by_participation": divide_by_participation,
+    "divide_by_nonempty_microbatches": divide_by_nonempty_microbatches,
 }

@@ -15,6 +15,14 @@ NonFinite: TypeAlias = Literal["propagate", "raise"]
 NONFINITE: tuple[str, ...] = ("propagate", "raise")
 """``"propagate"``: NaN and Inf are values and flow into the result; ``"raise"``: a counted one is an error."""
 
+Format: TypeAlias = Literal["json", "jsonl", "csv", "parquet"]
+FORMATS: tuple[str, ...] = ("json", "jsonl", "csv", "parquet")
+"""Input formats of the command line: JSON, JSON Lines and CSV (:mod:`gradagg.formats.text`), Parquet."""
+
+Contract: TypeAlias = Literal["owner-sum", "microbatch-mean"]
+CONTRACTS: tuple[Contract, ...] = ("owner-sum", "microbatch-mean")
+"""The two contracts, by the names ``gradagg verify --contract`` and :mod:`gradagg.verify` use."""
+
 Engine: TypeAlias = Literal["auto", "python", "numpy", "torch"]
 ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "torch")
 """``"auto"`` lets :mod:`gradagg.engine` choose by the input's kind; the others name a backend."""

@@ -42,22 +42,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import TypeAlias
 
 from gradagg.errors import (
-    GradaggError,
     GradientShapeError,
     GradientTypeError,
     IdError,
     NonFiniteGradientError,
+    NumberRangeError,
     RowShapeError,
     UnorderableShardError,
+    short_repr,
 )
+from gradagg.options import NonFinite, check_nonfinite
 
 Number: TypeAlias = int | float
 Gradient: TypeAlias = Number | list[Number]
 ShardId: TypeAlias = int | str
-NonFinite: TypeAlias = Literal["propagate", "raise"]
 
 _ID_FIELDS = ("shard_id", "worker_id", "owner_id")
 
@@ -83,7 +84,8 @@ def owner_sum(rows: Sequence[Sequence[object]], *, nonfinite: NonFinite = "propa
     >>> owner_sum([["x", "a", "a", 1], ["x", "b", "a", 9], ["y", "c", "c", 2]])
     [['x', 1], ['y', 2]]
     """
-    _check_nonfinite_option(nonfinite)
+    check_nonfinite(nonfinite)
+    _check_rows(rows, "rows")
     totals: dict[ShardId, Gradient] = {}
     shapes: dict[ShardId, tuple[int | None, int]] = {}  # shard -> (vector length, first row)
     for r, row in enumerate(rows):
@@ -92,8 +94,8 @@ def owner_sum(rows: Sequence[Sequence[object]], *, nonfinite: NonFinite = "propa
         if worker != owner:
             continue  # a replica: held, maybe stale, never counted
         if nonfinite == "raise":
-            _check_finite(gradient, f"row {r}: gradient of shard {shard!r}")
-        totals[shard] = gradient if shard not in totals else _add(totals[shard], gradient)
+            _check_finite(gradient, f"row {r}: gradient of shard {short_repr(shard)}")
+        totals[shard] = gradient if shard not in totals else _add(r, shard, totals[shard], gradient)
     return [[shard, totals[shard]] for shard in _sorted_shards(totals, shapes)]
 
 
@@ -122,7 +124,8 @@ def microbatch_mean(
     >>> microbatch_mean([[2, None], [4, 6]], [1, 2])
     [3.0, 3.0]
     """
-    _check_nonfinite_option(nonfinite)
+    check_nonfinite(nonfinite)
+    _check_rows(rows, "microbatches")
     if active_counts is not None:
         _check_active_counts(active_counts)
     if len(rows) == 0:
@@ -130,11 +133,11 @@ def microbatch_mean(
     width = _check_microbatches(rows, nonfinite)
     m = len(rows)  # the divisor: counted microbatches, nothing else
     sums: list[Number] = [0] * width
-    for row in rows:
+    for i, row in enumerate(rows):
         for j, value in enumerate(row):
             if value is not None:  # absent contributes zero
-                sums[j] += value  # type: ignore[operator]
-    return [s / m for s in sums]
+                sums[j] = _plus(sums[j], value, f"microbatch {i}, parameter {j}: adding", "sum")  # type: ignore[arg-type]
+    return [_divide(s, m, j) for j, s in enumerate(sums)]
 
 
 # --- owner-sum helpers -------------------------------------------------------
@@ -142,10 +145,13 @@ def microbatch_mean(
 
 def _check_row(r: int, row: object) -> tuple[ShardId, object, object, Gradient]:
     if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
-        raise RowShapeError(f"row {r}: expected a list [shard_id, worker_id, owner_id, gradient], got {row!r}")
+        raise RowShapeError(
+            f"row {r}: expected a list [shard_id, worker_id, owner_id, gradient], got {short_repr(row)}"
+        )
     if len(row) != 4:
         raise RowShapeError(
-            f"row {r}: expected 4 fields [shard_id, worker_id, owner_id, gradient], got {len(row)}: {list(row)!r}"
+            f"row {r}: expected 4 fields [shard_id, worker_id, owner_id, gradient], "
+            f"got {len(row)}: {short_repr(list(row))}"
         )
     for name, value in zip(_ID_FIELDS, row[:3]):
         _check_id(r, name, value)
@@ -156,7 +162,7 @@ def _check_id(r: int, name: str, value: object) -> None:
     if value is None:
         raise IdError(f"row {r}: {name} is missing (None); every row needs a shard, worker and owner id")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise IdError(f"row {r}: {name} must be an int or a string, got {type(value).__name__} {value!r}")
+        raise IdError(f"row {r}: {name} must be an int or a string, got {type(value).__name__} {short_repr(value)}")
 
 
 def _is_number(value: object) -> bool:
@@ -171,11 +177,11 @@ def _check_gradient(r: int, gradient: object) -> Gradient:
         for k, x in enumerate(gradient):
             if not _is_number(x):
                 raise GradientTypeError(
-                    f"row {r}: gradient element {k} must be a number, got {type(x).__name__} {x!r}"
+                    f"row {r}: gradient element {k} must be a number, got {type(x).__name__} {short_repr(x)}"
                 )
         return list(gradient)
     raise GradientTypeError(
-        f"row {r}: gradient must be a number or a list of numbers, got {type(gradient).__name__} {gradient!r}"
+        f"row {r}: gradient must be a number or a list of numbers, got {type(gradient).__name__} {short_repr(gradient)}"
     )
 
 
@@ -189,7 +195,7 @@ def _check_shape(
     expected, first = shapes[shard]
     if length != expected:
         raise GradientShapeError(
-            f"row {r}: gradient of shard {shard!r} is {_describe(length)}, "
+            f"row {r}: gradient of shard {short_repr(shard)} is {_describe(length)}, "
             f"expected {_describe(expected)} (from row {first})"
         )
 
@@ -198,10 +204,12 @@ def _describe(length: int | None) -> str:
     return "a scalar" if length is None else f"a vector of length {length}"
 
 
-def _add(total: Gradient, gradient: Gradient) -> Gradient:
+def _add(r: int, shard: ShardId, total: Gradient, gradient: Gradient) -> Gradient:
+    where = f"row {r}: adding gradient"
     if isinstance(total, list):
-        return [a + b for a, b in zip(total, gradient)]  # type: ignore[arg-type]
-    return total + gradient  # type: ignore[operator,return-value]
+        of = f"total of shard {short_repr(shard)}"
+        return [_plus(a, b, f"{where} element {k}", of) for k, (a, b) in enumerate(zip(total, gradient))]  # type: ignore[arg-type]
+    return _plus(total, gradient, where, f"total of shard {short_repr(shard)}")  # type: ignore[arg-type]
 
 
 def _sorted_shards(totals: dict[ShardId, Gradient], shapes: dict[ShardId, tuple[int | None, int]]) -> list[ShardId]:
@@ -214,7 +222,7 @@ def _sorted_shards(totals: dict[ShardId, Gradient], shapes: dict[ShardId, tuple[
     strs = [s for s in totals if isinstance(s, str)]
     a, b = ints[0], strs[0]
     raise UnorderableShardError(
-        f"shard ids {a!r} (row {shapes[a][1]}, int) and {b!r} (row {shapes[b][1]}, str) "
+        f"shard ids {short_repr(a)} (row {shapes[a][1]}, int) and {short_repr(b)} (row {shapes[b][1]}, str) "
         "cannot be ordered against each other; use one id type for all shards"
     ) from None
 
@@ -226,7 +234,7 @@ def _check_microbatches(rows: Sequence[Sequence[object]], nonfinite: NonFinite) 
     width: int | None = None
     for i, row in enumerate(rows):
         if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
-            raise RowShapeError(f"microbatch {i}: expected a list of values, got {row!r}")
+            raise RowShapeError(f"microbatch {i}: expected a list of values, got {short_repr(row)}")
         if width is None:
             width = len(row)
         elif len(row) != width:
@@ -242,7 +250,7 @@ def _check_value(i: int, j: int, value: object, nonfinite: NonFinite) -> None:
     if not _is_number(value):
         raise GradientTypeError(
             f"microbatch {i}, parameter {j}: value must be a number or None (absent), "
-            f"got {type(value).__name__} {value!r}"
+            f"got {type(value).__name__} {short_repr(value)}"
         )
     if nonfinite == "raise":
         _check_finite(value, f"microbatch {i}, parameter {j}")  # type: ignore[arg-type]
@@ -250,13 +258,45 @@ def _check_value(i: int, j: int, value: object, nonfinite: NonFinite) -> None:
 
 def _check_active_counts(active_counts: Sequence[int]) -> None:
     if isinstance(active_counts, (str, bytes)) or not isinstance(active_counts, Sequence):
-        raise GradientTypeError(f"active_counts must be a list of integers, got {active_counts!r}")
+        raise GradientTypeError(f"active_counts must be a list of integers, got {short_repr(active_counts)}")
     for k, c in enumerate(active_counts):
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-            raise GradientTypeError(f"active_counts[{k}] must be a non-negative integer, got {c!r}")
+            raise GradientTypeError(f"active_counts[{k}] must be a non-negative integer, got {short_repr(c)}")
 
 
 # --- shared ------------------------------------------------------------------
+
+
+def _check_rows(rows: object, what: str) -> None:
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
+        raise RowShapeError(f"rows must be a list of {what}, got {short_repr(rows)}")
+
+
+def _plus(total: Number, value: Number, where: str, of: str) -> Number:
+    """``total + value``; an int too large for a float meeting a float is an error, not an OverflowError."""
+    try:
+        return total + value
+    except OverflowError:
+        raise NumberRangeError(
+            f"{where} {_magnitude(value)} to the {of} ({_magnitude(total)}) overflows a float: an integer "
+            "beyond 1.8e308 cannot be added to a float"
+        ) from None
+
+
+def _divide(total: Number, m: int, j: int) -> float:
+    try:
+        return total / m
+    except OverflowError:
+        raise NumberRangeError(
+            f"parameter {j}: the sum {_magnitude(total)} over M = {m} microbatches is too large for a float"
+        ) from None
+
+
+def _magnitude(x: Number) -> str:
+    """A number for a message: a huge int by its size (its digits would fill the screen)."""
+    if isinstance(x, int) and x.bit_length() > 64:
+        return f"<an int of about {int(x.bit_length() * 0.30103) + 1} digits>"
+    return repr(x)
 
 
 def _check_finite(gradient: Gradient, where: str) -> None:
@@ -264,9 +304,4 @@ def _check_finite(gradient: Gradient, where: str) -> None:
     for k, x in enumerate(values):
         if isinstance(x, float) and not math.isfinite(x):
             at = f" element {k}" if isinstance(gradient, list) else ""
-            raise NonFiniteGradientError(f"{where}{at} is {x!r}; NaN and Inf are values, not absence")
-
-
-def _check_nonfinite_option(nonfinite: str) -> None:
-    if nonfinite not in ("propagate", "raise"):
-        raise GradaggError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+            raise NonFiniteGradientError(f"{where}{at} is {short_repr(x)}; NaN and Inf are values, not absence")

@@ -1,9 +1,9 @@
-"""File formats: JSON, JSON Lines and CSV readers, and atomic writers.
+"""JSON, JSON Lines and CSV: text into rows, results into text. Read and write only.
 
-Readers return plain Python rows for :mod:`gradagg.reference`; they check the
-*shape* of the file (a parse error names the line), and leave the contract
-checks (ids, gradient types, lengths) to the reference, which names the row.
-Rows are numbered from 0 in file order, not counting a CSV header.
+Readers turn text into the plain Python rows of :mod:`gradagg.reference` and
+nothing else: they check the *text* (a parse error names the line), never the
+contract (ids, gradient types, lengths: the reference checks those and names
+the row). Rows are numbered from 0 in file order, not counting a CSV header.
 
 Owner-sum inputs, one row per ``(shard_id, worker_id, owner_id, gradient)``:
 
@@ -11,244 +11,307 @@ Owner-sum inputs, one row per ``(shard_id, worker_id, owner_id, gradient)``:
 * ``.jsonl`` one row a line: a 4-element array, or an object with exactly the
   keys ``shard_id, worker_id, owner_id, gradient``;
 * ``.csv``   header ``shard_id,worker_id,owner_id,gradient``. An id cell that is
-  a canonical integer (``7``, ``-3``; not ``007``) becomes an int, any other
-  cell stays a string. A gradient cell is a number (``nan``/``inf`` allowed) or
-  a JSON array for a vector gradient (``"[1, 2.5]"``).
+  a canonical integer (``7``, ``-3``; not ``007``, ``-0`` or ``+7``) becomes an
+  int, any other cell stays a string, compared exactly (so a space before or
+  after an id is an error, not silently part of it); an empty id cell is a
+  missing id. A gradient cell is a number or a JSON array (``"[1, 2.5]"``).
 
 Microbatch-mean inputs, M microbatches of P values, absent written as null:
 
 * ``.json``  ``{"rows": [...], "active_counts": [...]}`` or a bare array of rows;
 * ``.jsonl`` one microbatch a line, a JSON array;
 * ``.csv``   one microbatch a line, an empty cell meaning absent. The first line
-  is a header of parameter names when any of its cells is not a number.
+  is a header of parameter names when every cell is a name (not a number, not
+  empty), a microbatch when every cell is a number or empty; anything else is
+  an error naming the line, settled by ``header=True`` / ``False``.
+
+Rules that hold in every format:
+
+* No line is ever skipped. A blank line in CSV is one empty cell, as in
+  RFC 4180: an absent value in a one-column mean file, and an error (wrong
+  number of cells) anywhere else. A blank line in JSON Lines is an error.
+* Numbers: a CSV number is ASCII decimal (``1``, ``-2.5``, ``1e-3``, ``.5``)
+  or ``nan``/``inf``/``infinity`` with an optional sign, any case; integer
+  literals are exact ints. A number too large for a float (``1e400``) is an
+  error, not Infinity; an integer of more digits than Python converts
+  (``sys.get_int_max_str_digits()``, 4300) is an error. Underflow
+  (``1e-400``) rounds to 0.0 as in every float parser.
+* A JSON object with a repeated key is an error (only one value could count).
+* Text is UTF-8 (a leading byte-order mark is allowed); an empty input (0
+  bytes) is an error: an input with no rows is ``[]`` in JSON or a header line
+  in CSV, so an empty file is never mistaken for one.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
-import os
-import re
 import sys
-from collections.abc import Iterator
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
-from gradagg.errors import FormatError, RowShapeError
+from gradagg.errors import FormatError, OutputError, short_repr
+from gradagg.formats import _csv
+from gradagg.formats._json import json_lines, load_json
 
-Format: TypeAlias = Literal["json", "jsonl", "csv", "parquet"]
-FORMATS: tuple[str, ...] = ("json", "jsonl", "csv", "parquet")
 OWNER_FIELDS = ("shard_id", "worker_id", "owner_id", "gradient")
-_EXTENSIONS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
-_CANONICAL_INT = re.compile(r"-?(0|[1-9][0-9]*)")
-
-
-def detect_format(path: str, explicit: str | None) -> str:
-    """The format named by ``--format``, else by the file's extension.
-
-    >>> detect_format("grads.jsonl", None)
-    'jsonl'
-    """
-    if explicit is not None:
-        return explicit
-    if path == "-":
-        raise FormatError("reading stdin ('-') needs --format (json, jsonl, csv or parquet)")
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in _EXTENSIONS:
-        raise FormatError(f"{path}: cannot tell the format from extension {ext!r}; pass --format")
-    return _EXTENSIONS[ext]
-
-
-def read_text(path: str) -> str:
-    """The whole text of ``path``, or of standard input for ``-``."""
-    if path == "-":
-        return sys.stdin.read()
-    with open(path, encoding="utf-8", newline="") as f:
-        return f.read()
 
 
 # --- owner-sum rows ------------------------------------------------------------
 
 
 def read_owner_rows(text: str, fmt: str, source: str = "input") -> list[Any]:
-    """Parse owner-sum rows from ``text`` in format ``fmt``.
+    """Owner-sum rows from ``text`` in format ``fmt`` (``json``, ``jsonl`` or ``csv``).
 
-    >>> read_owner_rows('[["x", "a", "a", 1]]', "json")
-    [['x', 'a', 'a', 1]]
+    Args:
+        text: the whole input.
+        fmt: its format.
+        source: the input's name for messages.
+
+    Returns:
+        The rows, as the file holds them (checked by the reference, not here).
+
+    Raises:
+        FormatError: text that is not valid in ``fmt``, naming the line.
+
+    >>> read_owner_rows("shard_id,worker_id,owner_id,gradient\\nx,0,0,1.5\\n", "csv")
+    [['x', 0, 0, 1.5]]
     """
     if fmt == "json":
-        rows = _load_json(text, source)
+        rows = load_json(text, source)
         if not isinstance(rows, list):
             raise FormatError(f"{source}: expected a JSON array of rows, got {type(rows).__name__}")
         return rows
     if fmt == "jsonl":
-        return [_owner_row_from_json(value, line, source) for line, value in _json_lines(text, source)]
+        return [_owner_row_from_json(value, line, source) for line, value in json_lines(text, source)]
     if fmt == "csv":
-        return list(_owner_rows_from_csv(text, source))
-    raise FormatError(f"{source}: format {fmt!r} is not readable here")
-
-
-def owner_columns(rows: list[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-    """Owner-sum rows as four columns (shard, worker, owner, gradient) for the columnar engines.
-
-    Only the row shape is checked here (the same message as the reference's);
-    the engine checks the ids and gradients and names their rows.
-
-    >>> owner_columns([["x", "a", "a", 1], ["y", "b", "c", 2]])
-    (['x', 'y'], ['a', 'b'], ['a', 'c'], [1, 2])
-    """
-    for r, row in enumerate(rows):
-        if isinstance(row, (str, bytes, dict)) or not isinstance(row, (list, tuple)):
-            raise RowShapeError(f"row {r}: expected a list [shard_id, worker_id, owner_id, gradient], got {row!r}")
-        if len(row) != 4:
-            raise RowShapeError(
-                f"row {r}: expected 4 fields [shard_id, worker_id, owner_id, gradient], got {len(row)}: {list(row)!r}"
-            )
-    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+        return _owner_rows_from_csv(text, source)
+    raise FormatError(f"{source}: format {fmt!r} is not a text format")
 
 
 def _owner_row_from_json(value: Any, line: int, source: str) -> Any:
     if not isinstance(value, dict):
         return value  # an array row, or garbage that the reference names by row
-    keys = set(value)
-    if keys != set(OWNER_FIELDS):
-        missing = sorted(set(OWNER_FIELDS) - keys)
-        extra = sorted(keys - set(OWNER_FIELDS))
+    if set(value) != set(OWNER_FIELDS):
+        missing = sorted(set(OWNER_FIELDS) - set(value))
+        extra = sorted(set(value) - set(OWNER_FIELDS))
         raise FormatError(
             f"{source}: line {line}: object keys must be {', '.join(OWNER_FIELDS)}; "
-            f"missing {missing}, unexpected {extra}"
+            f"missing {missing}, unexpected {short_repr(extra)}"
         )
     return [value[k] for k in OWNER_FIELDS]
 
 
-def _owner_rows_from_csv(text: str, source: str) -> Iterator[list[Any]]:
-    reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if header is None:
-        return
-    if [h.strip() for h in header] != list(OWNER_FIELDS):
-        raise FormatError(f"{source}: line 1: CSV header must be {','.join(OWNER_FIELDS)}, got {','.join(header)}")
-    for cells in reader:
-        line = reader.line_num
-        if not cells:
-            continue  # a blank line
+def _owner_rows_from_csv(text: str, source: str) -> list[list[Any]]:
+    records = _csv.records(text, source)
+    if not records or [h.strip() for h in records[0][1]] != list(OWNER_FIELDS):
+        got = ",".join(records[0][1]) if records else "nothing"
+        raise FormatError(f"{source}: line 1: CSV header must be {','.join(OWNER_FIELDS)}, got {short_repr(got)}")
+    rows = []
+    for line, cells in records[1:]:
         if len(cells) != 4:
-            raise FormatError(f"{source}: line {line}: expected 4 cells, got {len(cells)}: {cells!r}")
-        ids = [_csv_id(c) for c in cells[:3]]
-        yield [*ids, _csv_gradient(cells[3], line, source)]
+            what = "a blank line" if cells == [""] else f"{len(cells)}: {short_repr(cells)}"
+            raise FormatError(f"{source}: line {line}: expected 4 cells, got {what}")
+        ids = [_csv_id(cell, name, line, source) for name, cell in zip(OWNER_FIELDS[:3], cells[:3])]
+        rows.append([*ids, _csv_gradient(cells[3], line, source)])
+    return rows
 
 
-def _csv_id(cell: str) -> int | str | None:
-    cell = cell.strip()
+def _csv_id(cell: str, name: str, line: int, source: str) -> int | str | None:
     if cell == "":
-        return None  # the reference reports a missing id with its row
-    return int(cell) if _CANONICAL_INT.fullmatch(cell) else cell
+        return None  # a missing id: the reference reports it with its row
+    if cell != cell.strip():
+        raise FormatError(f"{source}: line {line}: {name} {short_repr(cell)} has a space before or after it; "
+                          "ids are compared exactly, so remove the space")
+    if _csv.CANONICAL_INT.fullmatch(cell):
+        return _csv.to_int(cell, f"{source}: line {line}: {name}")
+    return cell
 
 
 def _csv_gradient(cell: str, line: int, source: str) -> Any:
     cell = cell.strip()
     if cell.startswith("["):
-        return _load_json(cell, f"{source}: line {line}: gradient")
-    number = _csv_number(cell)
+        return load_json(cell, f"{source}: line {line}: gradient")
+    number = _csv.number(cell, f"{source}: line {line}: gradient")
     if number is None:
-        raise FormatError(f"{source}: line {line}: gradient must be a number or a JSON array, got {cell!r}")
+        raise FormatError(f"{source}: line {line}: gradient must be a number or a JSON array, got {short_repr(cell)}")
     return number
-
-
-def _csv_number(cell: str) -> int | float | None:
-    if _CANONICAL_INT.fullmatch(cell):
-        return int(cell)
-    try:
-        return float(cell)
-    except ValueError:
-        return None
 
 
 # --- microbatch rows -----------------------------------------------------------
 
 
-def read_microbatches(text: str, fmt: str, source: str = "input") -> tuple[list[Any], list[Any] | None]:
-    """Parse ``(rows, active_counts)`` for microbatch-mean from ``text``.
+def read_microbatches(
+    text: str, fmt: str, source: str = "input", *, header: bool | None = None
+) -> tuple[list[Any], Any]:
+    """``(rows, active_counts)`` for the microbatch mean from ``text`` in format ``fmt``.
+
+    Args:
+        text: the whole input.
+        fmt: ``json``, ``jsonl`` or ``csv``.
+        source: the input's name for messages.
+        header: CSV only: ``True`` the first line is a header (skipped),
+            ``False`` it is a microbatch, ``None`` decide by the rule in the
+            module docstring (an ambiguous first line is an error).
+
+    Returns:
+        The microbatches as the file holds them, and the active counts
+        (``None`` unless a JSON object gives them).
+
+    Raises:
+        FormatError: text that is not valid in ``fmt``, naming the line.
 
     >>> read_microbatches('{"rows": [[2, null], [4, 6]], "active_counts": [1, 2]}', "json")
     ([[2, None], [4, 6]], [1, 2])
+    >>> read_microbatches("a,b\\n2,\\n4,6\\n", "csv")
+    ([[2, None], [4, 6]], None)
     """
+    check_header(header, fmt, source)
     if fmt == "json":
-        return _microbatches_from_json(_load_json(text, source), source)
+        return _microbatches_from_json(load_json(text, source), source)
     if fmt == "jsonl":
-        return [value for _, value in _json_lines(text, source)], None
+        return [value for _, value in json_lines(text, source)], None
     if fmt == "csv":
-        return _microbatches_from_csv(text, source), None
-    raise FormatError(f"{source}: format {fmt!r} is not readable here")
+        return _microbatches_from_csv(text, source, header), None
+    raise FormatError(f"{source}: format {fmt!r} is not a text format")
 
 
-def _microbatches_from_json(data: Any, source: str) -> tuple[list[Any], list[Any] | None]:
+def check_header(header: bool | None, fmt: str, source: str) -> None:
+    """Refuse a header choice for a format that has no header line (anything but CSV).
+
+    >>> check_header(None, "parquet", "m.parquet")
+    """
+    if header is not None and fmt != "csv":
+        raise FormatError(f"{source}: --header and --no-header apply to CSV input only, not {fmt}")
+
+
+def _microbatches_from_json(data: Any, source: str) -> tuple[list[Any], Any]:
     if isinstance(data, list):
         return data, None
     if not isinstance(data, dict) or "rows" not in data:
         raise FormatError(f'{source}: expected {{"rows": [...], "active_counts": [...]}} or an array of rows')
     extra = sorted(set(data) - {"rows", "active_counts"})
     if extra:
-        raise FormatError(f"{source}: unexpected keys {extra}; allowed are rows, active_counts")
-    rows, counts = data["rows"], data.get("active_counts")
+        raise FormatError(f"{source}: unexpected keys {short_repr(extra)}; allowed are rows, active_counts")
+    rows = data["rows"]
     if not isinstance(rows, list):
         raise FormatError(f'{source}: "rows" must be an array, got {type(rows).__name__}')
-    return rows, counts
+    return rows, data.get("active_counts")
 
 
-def _microbatches_from_csv(text: str, source: str) -> list[Any]:
-    rows = [cells for cells in csv.reader(io.StringIO(text)) if cells]
-    if rows and any(c.strip() and _csv_number(c.strip()) is None for c in rows[0]):
-        rows = rows[1:]  # a header of parameter names
-    return [[_csv_value(c, i, j, source) for j, c in enumerate(cells)] for i, cells in enumerate(rows)]
+def _microbatches_from_csv(text: str, source: str, header: bool | None) -> list[list[Any]]:
+    records = _csv.records(text, source)
+    if records and (header or (header is None and _is_header(*records[0], source))):
+        width: int | None = len(records[0][1])
+        records = records[1:]
+    else:
+        width = len(records[0][1]) if records else None
+    rows = []
+    for i, (line, cells) in enumerate(records):
+        where = f"{source}: line {line} (microbatch {i})"
+        if width is not None and len(cells) != width:
+            raise FormatError(f"{where}: {_cells(cells, width)}, expected {width} (from line 1)")
+        rows.append([_csv_value(c, f"{where}, parameter {j}") for j, c in enumerate(cells)])
+    return rows
 
 
-def _csv_value(cell: str, i: int, j: int, source: str) -> int | float | None:
+def _is_header(line: int, cells: list[str], source: str) -> bool:
+    """A header has a name in every cell; a microbatch a number or nothing in every cell; else we cannot tell."""
+    names = [c for c in cells if c.strip() and not _csv.is_number(c.strip())]
+    if len(names) == len(cells):
+        return True
+    if not names:
+        return False
+    values = [c for c in cells if c not in names]
+    raise FormatError(
+        f"{source}: line {line}: cannot tell a header from a microbatch: {short_repr(names)} are not numbers but "
+        f"{short_repr(values)} are numbers or empty; pass --header if line {line} names the parameters, "
+        "--no-header if it is a microbatch"
+    )
+
+
+def _cells(cells: list[str], width: int) -> str:
+    if cells == [""]:
+        return ("a blank line, which is one empty cell; a microbatch whose parameters are all absent is "
+                f"written {',' * (width - 1)!r}, with")
+    return f"{len(cells)} cells"
+
+
+def _csv_value(cell: str, where: str) -> int | float | None:
     cell = cell.strip()
     if cell == "":
         return None  # absent
-    number = _csv_number(cell)
+    number = _csv.number(cell, where)
     if number is None:
-        raise FormatError(f"{source}: microbatch {i}, parameter {j}: expected a number or an empty cell, got {cell!r}")
+        raise FormatError(f"{where}: expected a number or an empty cell (absent), got {short_repr(cell)}")
     return number
-
-
-# --- shared parsing --------------------------------------------------------------
-
-
-def _load_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FormatError(f"{source}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-
-
-def _json_lines(text: str, source: str) -> Iterator[tuple[int, Any]]:
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            yield number, _load_json(line, f"{source}: line {number}")
 
 
 # --- writing -----------------------------------------------------------------------
 
 
 def dumps_result(result: Any) -> str:
-    """The JSON text of a result (NaN and Infinity written as Python's json does).
+    """The JSON text of a result (NaN and Infinity written as Python's json does; ASCII only).
 
     >>> dumps_result([["x", 1], ["y", 2]])
     '[["x", 1], ["y", 2]]'
     """
-    return json.dumps(result)
+    try:
+        return json.dumps(result)
+    except ValueError:
+        raise _unwritable(result) from None
 
 
 def result_to_csv(result: Any, contract: str) -> str:
-    """A result as CSV: ``shard_id,total`` rows, or ``parameter,mean`` rows."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    if contract == "owner-sum":
-        writer.writerow(["shard_id", "total"])
-        writer.writerows([s, json.dumps(t) if isinstance(t, list) else t] for s, t in result)
-    else:
-        writer.writerow(["parameter", "mean"])
-        writer.writerows(enumerate(result))
-    return out.getvalue()
+    """A result as CSV: ``shard_id,total`` rows, or ``parameter,mean`` rows.
+
+    A cell is quoted when it holds a comma, a quote, a line break or
+    surrounding spaces (the csv module would leave a lone carriage return
+    unquoted); a vector total is a JSON array cell.
+
+    >>> print(result_to_csv([["x", 1], ["a,b", [1.5, 2]]], "owner-sum"), end="")
+    shard_id,total
+    x,1
+    "a,b","[1.5, 2]"
+    """
+    try:
+        if contract == "owner-sum":
+            lines = ["shard_id,total"] + [f"{_cell(s)},{_cell(t)}" for s, t in result]
+        else:
+            lines = ["parameter,mean"] + [f"{j},{_cell(m)}" for j, m in enumerate(result)]
+    except ValueError:
+        raise _unwritable(result) from None
+    return "\n".join(lines) + "\n"
+
+
+def encode_csv(text: str, target: str = "output") -> bytes:
+    """The UTF-8 bytes of a CSV result; a lone surrogate (which JSON input can hold, UTF-8 cannot) is an error.
+
+    >>> encode_csv("shard_id,total\\nü,1\\n", "out.csv")
+    b'shard_id,total\\n\\xc3\\xbc,1\\n'
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        line = text.count("\n", 0, exc.start) + 1
+        raise OutputError(
+            f"{target}: cannot write CSV: line {line} holds the lone surrogate U+{ord(text[exc.start]):04X} (from a "
+            f"JSON escape such as \\ud800), which UTF-8 cannot encode; write JSON instead (-o FILE.json)"
+        ) from None
+
+
+def _unwritable(result: Any) -> OutputError:
+    """The error for a result that holds an integer too long for Python to write as text."""
+    limit = sys.get_int_max_str_digits()
+    for shard, total in result:
+        for x in total if isinstance(total, list) else [total]:
+            if isinstance(x, int) and x.bit_length() * 0.30103 > limit - 1:
+                return OutputError(f"cannot write the result as text: the total of shard {short_repr(shard)} is an "
+                                   f"integer of about {int(x.bit_length() * 0.30103) + 1} digits, over Python's "
+                                   f"limit of {limit} digits for writing one")
+    return OutputError("cannot write the result as text")
+
+
+def _cell(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, list) else value if isinstance(value, str) else repr(value)
+    if text == "" or text != text.strip() or any(c in text for c in ',"\r\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
