@@ -60,6 +60,14 @@ class WindowError(GradaggError):
     """An accumulation window is in a state that forbids the requested step."""
 
 
+class PlacementError(GradaggError):
+    """A DTensor's placement or mesh cannot be counted exactly once (e.g. ``Partial``)."""
+
+
+class ScriptError(GradaggError):
+    """A user's script cannot be used for a parity check (a missing function, a bad layout)."""
+
+
 def short_repr(value: object) -> str:
     """``repr(value)`` for a message, cut to 80 characters.
 

@@ -34,9 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradagg.errors import GradaggError
+from gradagg.errors import GradaggError, ScriptError
 from gradagg.parity.layouts import MAX_RANKS, Layout, check_layouts, default_layouts, format_layout, parse_layout
-from gradagg.parity.script import ScriptError
 
 __all__ = ["MAX_RANKS", "ParityReport", "ScriptError", "add_arguments", "check_parity", "run"]
 

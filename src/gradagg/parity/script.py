@@ -19,17 +19,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from gradagg.errors import GradaggError
+from gradagg.errors import ScriptError
 from gradagg.parity.digest import data_digest, first_difference, model_digest
 
 if TYPE_CHECKING:  # torch loads when a check runs, not when `gradagg parity --help` parses
     import torch
 
 REQUIRED = ("build_model", "microbatches", "full_batch_loss", "step")  # and optionally prepare(model)
-
-
-class ScriptError(GradaggError):
-    """SCRIPT.py cannot be used for a parity check: the command line exits 2 with one line."""
 
 
 @dataclass(frozen=True)

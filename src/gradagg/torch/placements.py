@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-from gradagg.errors import GradaggError
+from gradagg.errors import PlacementError
 from gradagg.torch.collectives import Group, get_rank, is_distributed
 
 ShardId = int | str
@@ -39,10 +39,6 @@ _V = TypeVar("_V")
 # A mapping keyed by shard ids. Mapping is invariant in its key type, so dict[str, X] is not a
 # Mapping[int | str, X]: the three forms let callers pass str-keyed, int-keyed or mixed dicts.
 ShardMap = Mapping[str, _V] | Mapping[int, _V] | Mapping[ShardId, _V]
-
-
-class PlacementError(GradaggError):
-    """A DTensor's placement or mesh cannot be counted exactly once (e.g. ``Partial``)."""
 
 
 @dataclass(frozen=True)
