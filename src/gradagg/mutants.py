@@ -37,7 +37,7 @@ def divide_by_active_counts(
     if not rows:
         return []
     divisor = max(1, sum(active_counts or []))
-    return [sum((row[j] or 0) for row in rows) / divisor for j in range(len(rows[0]))]  # type: ignore[misc]
+    return [sum((0 if row[j] is None else row[j]) for row in rows) / divisor for j in range(len(rows[0]))]  # type: ignore[misc]
 
 
 def divide_by_participation(
@@ -63,7 +63,7 @@ def divide_by_nonempty_microbatches(
     if not rows:
         return []
     divisor = max(1, sum(any(v is not None for v in row) for row in rows))
-    return [sum((row[j] or 0) for row in rows) / divisor for j in range(len(rows[0]))]  # type: ignore[misc]
+    return [sum((0 if row[j] is None else row[j]) for row in rows) / divisor for j in range(len(rows[0]))]  # type: ignore[misc]
 
 
 OWNER_SUM_MUTANTS = {"sum_every_replica": sum_every_replica, "first_replica": first_replica}
