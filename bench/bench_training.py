@@ -8,14 +8,18 @@ One run measures, side by side (interleaved, medians):
 2. two gloo processes on loopback: ``finish()`` and ``owner_reduce`` against one plain ``all_reduce`` of
    the same bytes. Target: at most 1.2x. Collectives per call counted (targets: 1, 1, and 1 scalar for
    ``grad_norm``; ownership verification is a separate, once-per-declaration collective).
+3. two gloo processes, DDP with its overlap: a whole step (M = 8 microbatches, equal counts) with
+   ``MicrobatchAccumulator(ddp)`` and ``acc.microbatches(...)`` (buckets sent during the last backward)
+   against plain DDP with ``no_sync()`` on the first 7 microbatches and ``loss / M``. Target: at most 1.05x.
 
-Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write PATH]``;
-bench/RESULTS.md records a run.
+Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write PATH]``
+(``--quick`` for a smoke run); bench/RESULTS.md records a run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -28,13 +32,13 @@ from typing import Any
 import torch.distributed as dist
 
 import torch
+from gradagg.testing import run_local_world
 from gradagg.torch import (
     MicrobatchAccumulator,
     Ownership,
     count_collectives,
     grad_norm,
     owner_reduce,
-    run_local_world,
 )
 from torch import nn
 
@@ -140,7 +144,9 @@ def rank_bench(repeats: int) -> dict[str, Any]:
     contributions = {n: torch.randn_like(p) for n, p in params.items()}
     balanced.verify()
     skewed.verify()
-    plain_same_as_finish = torch.randn(numel + len(params) + 3 * dist.get_world_size())
+    _fill_grads(model, acc)
+    acc.finish()  # builds the layout (and checks it across ranks once)
+    plain_same_as_finish = torch.randn(acc._layout_now().size)
     plain = torch.randn(numel)
 
     def finish_only() -> None:
@@ -178,6 +184,88 @@ def rank_bench(repeats: int) -> dict[str, Any]:
             fn()
         counts[name] = dict(c.by_op)
     return {"times": times, "counts": counts, "numel": numel}
+
+
+# --- DDP with its overlap (this function runs in each rank) ----------------------------------------------
+
+
+def ddp_bench(repeats: int) -> dict[str, Any]:
+    """A whole step under DDP: plain no_sync + loss / M against the accumulator (look-ahead: overlap kept)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    data = make_data()
+    plain, ours, ours_late = DDP(make_model()), DDP(make_model()), DDP(make_model())
+    acc, acc_late = MicrobatchAccumulator(ours), MicrobatchAccumulator(ours_late)
+
+    def step_plain() -> None:
+        plain.zero_grad(set_to_none=True)
+        for k, (x, y) in enumerate(data):
+            sync = k == len(data) - 1  # DDP reduces in the last backward only
+            with contextlib.nullcontext() if sync else plain.no_sync():
+                (nn.functional.mse_loss(plain(x), y) / len(data)).backward()
+
+    def step_acc(model: nn.Module, a: MicrobatchAccumulator, lookahead: bool) -> None:
+        model.zero_grad(set_to_none=True)
+        for x, y in a.microbatches(data) if lookahead else data:
+            with a.microbatch():
+                nn.functional.mse_loss(model(x), y).backward()
+        a.finish()
+
+    times = interleaved(
+        {
+            "ddp": _synced(step_plain),
+            "acc": _synced(lambda: step_acc(ours, acc, True)),
+            "acc_no_lookahead": _synced(lambda: step_acc(ours_late, acc_late, False)),
+        },
+        repeats,
+    )
+    diff = max(float((a.grad - b.grad).abs().max()) for a, b in zip(plain.parameters(), ours.parameters()))
+    with count_collectives() as c:
+        step_acc(ours, acc, True)
+    return {
+        "times": times,
+        "max_grad_diff": diff,
+        "collectives": dict(c.by_op),
+        "buckets": len(acc._layout_now().buckets),
+    }
+
+
+def ddp_table(res: dict[str, Any]) -> str:
+    t = res["times"]
+
+    def ms(ts: list[float]) -> str:
+        return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
+
+    coll = ", ".join(f"{n} {op}" for op, n in res["collectives"].items())
+    rows = [
+        ("DDP step, M = 8: no_sync x 7, loss / M", ms(t["ddp"]), "1 (baseline)", "DDP's buckets", "-"),
+        (
+            "DDP step, M = 8: MicrobatchAccumulator, microbatches()",
+            ms(t["acc"]),
+            _ratios(t, "acc", "ddp"),
+            coll,
+            "<= 1.05",
+        ),
+        (
+            "DDP step, M = 8: MicrobatchAccumulator, no look-ahead",
+            ms(t["acc_no_lookahead"]),
+            _ratios(t, "acc_no_lookahead", "ddp"),
+            coll,
+            "-",
+        ),
+    ]
+    head = (
+        "| what | median | ratio of medians (median of paired ratios) | collectives per step | target |\n"
+        "|---|---:|---:|---|---|"
+    )
+    return (
+        head
+        + "\n"
+        + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+        + f"\n\nGradients of the two DDP steps differ by at most {res['max_grad_diff']:.1e} (float32 round-off); "
+        f"the accumulator sent {res['buckets']} buckets."
+    )
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -272,9 +360,11 @@ How to read it:
 - The one-process rows compare whole accumulation steps (zero_grad, 8 forward/backward, gradients ready).
   The accumulator adds a post-accumulate-grad hook call per parameter and microbatch and one division
   pass at finish(); the hand-written loop scales each loss instead.
-- finish() is one all_reduce of a buffer the gradients were accumulated into in place (no copy in or
-  out) plus one division pass by the counted M: that pass is its whole overhead over the bare
-  all_reduce. (DDP pays a copy into its buckets with the division fused, and a copy out.)
+- finish() is one all_reduce per 25 MB bucket of a buffer the gradients were added into by the hooks
+  (no copy out: .grad are views) plus one division pass by the counted divisor.
+- The DDP rows: the accumulator keeps DDP in no_sync() and sends its own buckets (one collective each,
+  the same on every rank whatever the counts); with microbatches() the complete buckets leave during the
+  last backward, as DDP's do.
 - owner_reduce copies the owned shards into its flat buffer and writes zeros over the others (one pass),
   then one all_reduce; the results are views of the buffer (no copy out).
 - On gloo, "auto" picks the all_reduce even when the all_gather would move fewer bytes: gloo's
@@ -288,17 +378,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="training steps per variant (one process)")
     parser.add_argument("--repeats-ranks", type=int, default=41, help="collective calls per variant (2 ranks)")
+    parser.add_argument("--repeats-ddp", type=int, default=15, help="DDP training steps per variant (2 ranks)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 repeats of everything")
     parser.add_argument("--write", metavar="PATH", help="also write the table and the machine to this Markdown file")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = args.repeats_ranks = args.repeats_ddp = 2
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
     single = bench_single(args.repeats)
-    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, collective_timeout_s=60.0, timeout_s=600.0)[0]
+    world = {"collective_timeout_s": 60.0, "timeout_s": 1200.0, "preload": ["torch._dynamo"]}
+    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, **world)[0]
+    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, **world)[0]
     text = (
-        f"{table(single, ranks)}\n\n"
+        f"{table(single, ranks)}\n\n{ddp_table(ddp)}\n\n"
         f"Model: MLP {WIDTHS}, {single['params'] / 1e6:.2f} M parameters, float32; M = {M} microbatches of "
         f"{MICROBATCH} samples; the one-process rows use {single['threads']} thread, each of the 2 gloo ranks 1 "
         "thread.\n"
-        f"Medians of {args.repeats} (one process) and {args.repeats_ranks} (2 ranks) interleaved repeats after 2 "
+        f"Medians of {args.repeats} (one process), {args.repeats_ranks} (2 ranks) and {args.repeats_ddp} (DDP steps) "
+        "interleaved repeats after 2 "
         "warm-ups, min in brackets; the baseline and the candidate run "
         f"back to back in each repeat. Machine: {machine()}; load average before the run: {load}.\n"
     )

@@ -1,19 +1,23 @@
-"""Two local gloo ranks with uneven microbatch counts: gradagg divides by the counted M.
+"""Two ranks with uneven microbatch counts: gradagg divides by the counted M.
 
-Run: python examples/accumulate_two_ranks.py
+Run either way (both use one world of 2 ranks, never one inside the other):
+    python examples/accumulate_two_ranks.py                                        # starts 2 local gloo ranks
+    torchrun --standalone --nproc-per-node 2 examples/accumulate_two_ranks.py      # uses torchrun's world
 Rank 0 runs 1 microbatch and rank 1 runs 3; the gradient of each microbatch is its input x,
 so the exact mean is (0 + 10 + 11 + 12) / 4 = 8.25 on every rank. DDP with `loss / local_count`
 would give ((0) / 1 + (10 + 11 + 12) / 3) / 2 = 5.5.
 """
 
-import torch
+import os
+
 import torch.distributed as dist
 
-from gradagg.testing import run_local_world
+import torch
+from gradagg.testing import launched_by_torchrun, run_world
 from gradagg.torch import MicrobatchAccumulator
 
 
-def train_step(counts: list[int]) -> tuple[int | None, list[float]]:
+def train_step(counts: list[int]) -> tuple[float | None, list[float]]:
     rank = dist.get_rank()
     model = torch.nn.Linear(2, 1, bias=False)
     acc = MicrobatchAccumulator(model)
@@ -27,4 +31,5 @@ def train_step(counts: list[int]) -> tuple[int | None, list[float]]:
 
 
 if __name__ == "__main__":
-    print(run_local_world(train_step, 2, [1, 3]))  # (0 + 10 + 11 + 12) / M, M = 4
+    results = run_world(train_step, 2, [1, 3])  # (0 + 10 + 11 + 12) / M, M = 4
+    print(f"rank {os.environ['RANK']}: {results[0]}" if launched_by_torchrun() else results)

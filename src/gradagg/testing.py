@@ -15,9 +15,10 @@ what each rank returns. Design choices, each for a trap met in practice:
 * **loopback only**: the rendezvous store listens on 127.0.0.1 (a free port
   chosen by the OS, held by the parent: no port race) and gloo is bound to the
   loopback interface (``GLOO_SOCKET_IFNAME``).
-* **short collective timeout**: start-up gets ``timeout_s``; once every rank
-  has joined, the group's timeout drops to ``collective_timeout_s`` so that a
-  dead peer turns into an error within seconds, never a hang.
+* **short collective timeout**: start-up (every rank reaching the rendezvous
+  store) gets ``timeout_s``; the process group is created only then, with
+  ``collective_timeout_s``, so that a dead peer turns into an error within
+  seconds, never a hang.
 * results come back on a queue that each rank flushes (``join_thread``)
   before ``os._exit``, which skips interpreter teardown (it can block on a
   process group whose peer died).
@@ -164,6 +165,52 @@ def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, **optio
     return [o.value for o in outcomes]
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is a rank that ``torchrun`` (or another launcher) started: its world is in the environment.
+
+    >>> launched_by_torchrun()  # the doctest runs in a plain process
+    False
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
+    """Run ``fn(*args)`` in the world ``torchrun`` gave this process, or else in a new local world.
+
+    Under ``torchrun`` every rank runs this same call: it joins the launcher's world (initialising the
+    default process group from the environment if nobody did, and destroying it afterwards), runs ``fn``
+    once and returns ``[its own value]``. In a plain process it is :func:`run_local_world` (every rank's
+    value). Examples use it so that ``python example.py`` and ``torchrun --nproc-per-node N example.py``
+    both work and neither starts a world inside another.
+
+    Args:
+        fn: the worker (see :func:`launch_local_world`).
+        world_size: the ranks ``fn`` expects; under ``torchrun`` the launcher's must match.
+        *args: arguments for ``fn``.
+        **options: as for :func:`run_local_world`; under ``torchrun`` only ``backend`` and
+            ``collective_timeout_s`` apply.
+
+    Returns:
+        Under ``torchrun``: this rank's value, in a list of one; else every rank's value, in rank order.
+
+    Raises:
+        CollectiveError: the launcher's world has another size; a local rank failed.
+    """
+    if not launched_by_torchrun():
+        return run_local_world(fn, world_size, *args, **options)
+    own = not dist.is_initialized()
+    if own:
+        timeout = datetime.timedelta(seconds=float(options.get("collective_timeout_s", 60.0)))
+        dist.init_process_group(options.get("backend", "gloo"), timeout=timeout)
+    try:
+        if dist.get_world_size() != world_size:
+            raise CollectiveError(f"this needs {world_size} ranks; the launcher started {dist.get_world_size()}")
+        return [fn(*args)]
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 # --- parent side -------------------------------------------------------------
 
 
@@ -277,18 +324,16 @@ def _join(rank: int, world: int, port: int, backend: str, coll_s: float, start_s
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=start_s)
     )
-    # Start-up (gloo's full-mesh connect) may be slow on a loaded machine: the long timeout,
-    # then the short one for every collective.
+    # Start-up (fork, imports) may be slow on a loaded machine: wait for every rank on the store, with the
+    # long timeout; then create the group with the short one, which every later collective keeps. All
+    # public API (no private timeout setter); the connect itself is fast once every rank is there.
+    if store.add("gradagg/joined", 1) == world:
+        store.set("gradagg/all-joined", "1")
+    store.wait(["gradagg/all-joined"], datetime.timedelta(seconds=start_s))
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=start_s)
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=coll_s)
     )
     dist.barrier()
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(datetime.timedelta(seconds=coll_s), None)
-    except (ImportError, RuntimeError, AttributeError):  # private API: fall back to the long timeout
-        pass
 
 
 def _has_interface(name: str) -> bool:

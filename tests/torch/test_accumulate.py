@@ -83,9 +83,12 @@ def test_against_reference_on_seeded_rows() -> None:
             absent_everywhere = all(r[j] is None for r in rows)
             assert (g is None) == absent_everywhere, (seed, trial, j)
             assert (0.0 if g is None else g) == pytest.approx(v, abs=1e-12), (seed, trial, rows)
+    fixtures = [[[2.0, None], [4.0, 6.0]], [[None, None], [2.0, 4.0]]]  # the second: an all-absent microbatch
     for name, mutant in MICROBATCH_MEAN_MUTANTS.items():  # each known wrong fix disagrees somewhere
-        rows = [[2.0, None], [4.0, 6.0]]
-        assert mutant(rows, [1, 2]) != _run_rows(rows), f"{name} is not caught"
+        caught = [
+            rows for rows in fixtures if mutant(rows, [sum(v is not None for v in r) for r in rows]) != _run_rows(rows)
+        ]
+        assert caught, f"{name} is not caught"
 
 
 def test_no_communication_without_process_group() -> None:
@@ -212,11 +215,14 @@ def test_close_makes_it_unusable() -> None:
 
 
 def test_second_finish_does_not_divide_twice() -> None:
-    """finish() twice without a microbatch in between: the second finds M = 0 and refuses; grads unchanged."""
+    """finish() twice without a microbatch in between: the gradients of the first are still there, so the second
+    refuses (as on every rank of a group) and leaves them unchanged."""
     model = w.TinyMoE()
     acc, _ = w.accumulate(model, w.microbatches(2))
     before = w.grads_of(model)
-    with pytest.raises(WindowError, match="M = 0"):
+    with pytest.raises(WindowError, match="had gradients before its window"):
         acc.finish()
     assert w.max_error(w.grads_of(model), before) == 0.0
-    assert acc.ledger.divisor == 2  # the last finished window's ledger
+    acc.discard()
+    with pytest.raises(WindowError, match="M = 0"):
+        acc.finish()

@@ -64,7 +64,7 @@ def load_script(path: str) -> Script:
     >>> load_script("no/such/script.py")
     Traceback (most recent call last):
     ...
-    gradagg.parity.script.ScriptError: no/such/script.py: no such file
+    gradagg.errors.ScriptError: no/such/script.py: no such file
     """
     if not os.path.isfile(path):
         raise ScriptError(f"{path}: {'is a folder, not a script' if os.path.isdir(path) else 'no such file'}")

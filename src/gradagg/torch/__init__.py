@@ -1,7 +1,7 @@
 """gradagg's training integration over ``torch.distributed`` (import it explicitly: ``import gradagg.torch``).
 
 * :class:`MicrobatchAccumulator`: exactly-once microbatch accumulation; ``.grad`` = sum over the
-  microbatches of all ranks / M, M counted; one collective per window.
+  microbatches of all ranks / D, D counted (M, or the total weight); plain modules, DDP, FSDP2, HSDP.
 * :class:`Ownership` and :func:`owner_reduce`: declared owners, checked across ranks before data
   moves; per shard the sum of its owner's contributions only; one collective.
 * :func:`grad_norm` and :func:`clip_grad_norm_`: the global norm with each parameter counted once;
@@ -14,8 +14,9 @@ plain process with no communication when none is.
 
 from __future__ import annotations
 
-from gradagg.torch.accumulate import Ledger, MicrobatchAccumulator
+from gradagg.torch.accumulate import MicrobatchAccumulator
 from gradagg.torch.collectives import CollectiveCount, count_collectives
+from gradagg.torch.ledger import Ledger
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.ownership import Ownership, ShardSpec
 from gradagg.torch.reduce import owner_reduce

@@ -16,11 +16,20 @@ import torch
 
 
 def _use_count(t: torch.Tensor) -> int | None:
-    """How many tensors share ``t``'s storage (private torch API; None where it does not exist)."""
+    """How many tensors share ``t``'s storage, or None where torch cannot tell.
+
+    PRIVATE torch API: ``torch._C._storage_Use_Count`` of ``UntypedStorage._cdata`` (torch has no public way
+    to ask whether a storage is still shared). Public fallback, taken wherever it is missing or fails: None, and
+    :class:`ReusableBuffer` then never reuses a buffer (always a fresh one: never wrong, slower on CPU);
+    ``tests/torch/test_buffers.py`` runs the accumulator on that fallback.
+    """
     counter = getattr(torch._C, "_storage_Use_Count", None)
     if counter is None:
         return None
-    return int(counter(t.untyped_storage()._cdata))
+    try:
+        return int(counter(t.untyped_storage()._cdata))
+    except (TypeError, RuntimeError, AttributeError):
+        return None
 
 
 class ReusableBuffer:
@@ -57,6 +66,13 @@ class ReusableBuffer:
         buf = torch.zeros(size, dtype=dtype, device=device) if zero else torch.empty(size, dtype=dtype, device=device)
         self._buf, self._baseline = buf, _use_count(buf)
         return buf
+
+    def release(self) -> None:
+        """Forget the buffer (its memory goes once no view of it is alive); the next get() allocates.
+
+        >>> pool = ReusableBuffer(); _ = pool.get(2, torch.float32, torch.device("cpu"), zero=True); pool.release()
+        """
+        self._buf, self._baseline = None, None
 
     def _free(self, buf: torch.Tensor) -> bool:
         count = _use_count(buf)

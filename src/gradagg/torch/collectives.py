@@ -165,6 +165,92 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return _reduce(tensor, dist.ReduceOp.SUM, "all_reduce(sum)", group)
 
 
+class Pending:
+    """A collective in flight (``async_op=True``): :meth:`wait` completes it or raises :class:`CollectiveError`.
+
+    With no process group the operation already happened and :meth:`wait` does nothing.
+
+    >>> all_reduce_sum_async(torch.ones(2)).wait()
+    """
+
+    def __init__(self, work: Any, name: str, what: str, group: Group) -> None:
+        self._work, self._name, self._what, self._group = work, name, what, group
+
+    def wait(self) -> None:
+        """Block until the collective completed (idempotent).
+
+        Raises:
+            CollectiveError: the collective failed or timed out (e.g. a peer died).
+        """
+        work, self._work = self._work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise _failure(self._name, self._what, self._group, exc) from exc
+
+
+def all_reduce_sum_async(tensor: torch.Tensor, group: Group = None) -> Pending:
+    """Start summing ``tensor`` over the ranks of ``group`` in place; the result is there after ``wait()``.
+
+    Args:
+        tensor: contiguous, on :func:`device_for` ``(group)``; same shape and dtype on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        A :class:`Pending` handle; do not touch ``tensor`` before its ``wait()``.
+
+    Raises:
+        CollectiveError: the collective could not be started.
+
+    >>> t = torch.ones(2)
+    >>> all_reduce_sum_async(t).wait(); t
+    tensor([1., 1.])
+    """
+    name, what = "all_reduce(sum)", f"{tensor.numel()} elements of {tensor.dtype}"
+    if not is_distributed(group):
+        return Pending(None, name, what, group)
+    _record(name, tensor.numel())
+    try:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise _failure(name, what, group, exc) from exc
+    return Pending(work, name, what, group)
+
+
+def reduce_scatter_sum_async(output: torch.Tensor, tensor: torch.Tensor, group: Group = None) -> Pending:
+    """Start a reduce-scatter: ``output`` on rank r becomes the sum over ranks of ``tensor[r * n:(r + 1) * n]``.
+
+    Args:
+        output: 1-d, ``n`` elements, same dtype and device as ``tensor``.
+        tensor: 1-d, ``world_size * n`` elements; same size on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        A :class:`Pending` handle (with no process group ``output`` already holds ``tensor``).
+
+    Raises:
+        CollectiveError: the collective could not be started.
+
+    >>> out = torch.empty(2)
+    >>> reduce_scatter_sum_async(out, torch.tensor([3.0, 4.0])).wait(); out
+    tensor([3., 4.])
+    """
+    name, what = "reduce_scatter(sum)", f"{tensor.numel()} elements of {tensor.dtype}"
+    if not is_distributed(group):
+        output.copy_(tensor)
+        return Pending(None, name, what, group)
+    _record(name, tensor.numel())
+    # reduce_scatter_single is the newer name (torch >= 2.10); reduce_scatter_tensor is deprecated there.
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        work = scatter(output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise _failure(name, what, group, exc) from exc
+    return Pending(work, name, what, group)
+
+
 def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Element-wise maximum of ``tensor`` over the ranks of ``group``, in place.
 

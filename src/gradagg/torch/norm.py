@@ -34,10 +34,17 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
-from gradagg.errors import CollectiveError, GradaggError, GradientShapeError, IdError, NonFiniteGradientError
+from gradagg.errors import (
+    CollectiveError,
+    GradaggError,
+    GradientShapeError,
+    IdError,
+    NonFiniteGradientError,
+    PlacementError,
+)
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, get_world_size, is_distributed
 from gradagg.torch.ownership import Ownership
-from gradagg.torch.placements import PlacementError, ShardId, ShardMap, counts_here, is_dtensor, local_tensor, shard_id
+from gradagg.torch.placements import ShardId, ShardMap, counts_here, is_dtensor, local_tensor, shard_id
 
 _Pairs = list[tuple[ShardId | None, torch.Tensor]]
 Params = torch.Tensor | Iterable[torch.Tensor] | ShardMap[torch.Tensor] | Iterable[tuple[ShardId, torch.Tensor]]

@@ -1,0 +1,48 @@
+"""HSDP: fully_shard on a 2-D mesh (2 replicas x 2 shards), 4 ranks with uneven microbatch counts.
+
+Run:  python examples/hsdp_uneven.py
+ or:  torchrun --standalone --nproc-per-node 4 examples/hsdp_uneven.py
+Ranks run 2, 0, 1 and 3 microbatches. The divisor D (here: the valid tokens) is summed over both mesh
+dimensions in the window's collective; the gradients are reduce-scattered over the shard dimension and
+all-reduced over the replicas once, at the window's end.
+"""
+
+import os
+
+import torch.distributed as dist
+from fsdp2_uneven import loss_sum, make_batches, make_model  # the same model and data as the FSDP2 example
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import torch
+from gradagg.testing import launched_by_torchrun, run_world
+from gradagg.torch import MicrobatchAccumulator, count_collectives
+
+
+def train_step(counts: list[int]) -> str:
+    rank = dist.get_rank()
+    model = make_model()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = MicrobatchAccumulator(model)
+    batches = (make_batches() * 2)[: sum(counts)]
+    with count_collectives() as sent:
+        for x, y, valid in acc.microbatches(batches[sum(counts[:rank]) : sum(counts[: rank + 1])]):
+            with acc.microbatch(weight=int(valid.sum())):
+                loss_sum(model, x, y, valid).backward()
+        ledger = acc.finish()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+
+    truth = make_model()
+    x, y, valid = (torch.cat([b[i] for b in batches]) for i in range(3))
+    (loss_sum(truth, x, y, valid) / int(valid.sum())).backward()
+    error = max(float((g - q.grad).abs().max()) for g, q in zip(grads, truth.parameters()))
+    seen = list(ledger.microbatches_per_rank or ())
+    return f"D = {ledger.divisor:g} over counts {seen}; sent {dict(sent.by_op)}; max error {error:.1e}"
+
+
+if __name__ == "__main__":
+    for r, line in enumerate(run_world(train_step, 4, [2, 0, 1, 3])):
+        print(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}")

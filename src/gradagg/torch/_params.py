@@ -1,0 +1,94 @@
+"""Which parameters an accumulator owns, from a module, a DDP or FSDP2 model, or tensors; and whether that changed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch.nn.parallel import DistributedDataParallel
+
+import torch
+from gradagg.errors import GradaggError
+from gradagg.torch.fsdp import is_dtensor
+
+ParamSource = torch.nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class Params:
+    """The accumulated parameters (those with ``requires_grad`` when the accumulator was built).
+
+    Attributes:
+        names: one name per parameter (``named_parameters()`` names, or ``param[k]`` for bare tensors).
+        tensors: the parameters; under FSDP2 the sharded DTensors the optimizer holds.
+        module: the module they came from (None for tensors), re-read to notice changes.
+        ddp: the DDP wrapper, if the source was one.
+        frozen: parameters seen without ``requires_grad`` (a tensor source), to notice one unfrozen later.
+    """
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    module: torch.nn.Module | None = None
+    ddp: DistributedDataParallel | None = None
+    frozen: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def collect(cls, source: ParamSource) -> Params:
+        """Read the parameters of ``source``; a tensor given twice (tied weights) is one parameter.
+
+        Raises:
+            GradaggError: an item that is neither a tensor nor a ``(name, tensor)`` pair.
+        """
+        ddp = source if isinstance(source, DistributedDataParallel) else None
+        module = ddp.module if ddp is not None else (source if isinstance(source, torch.nn.Module) else None)
+        items: Iterable[object] = module.named_parameters() if module is not None else source  # type: ignore[assignment]
+        out = cls([], [], module, ddp)
+        seen: set[int] = set()
+        for k, item in enumerate(items):
+            name, t = (f"param[{k}]", item) if isinstance(item, torch.Tensor) else _pair(item)
+            if not isinstance(t, torch.Tensor):
+                kind = type(item).__name__
+                raise GradaggError(f"expected a module, tensors or (name, tensor) pairs; item {k} is {kind}")
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if t.requires_grad:
+                out.names.append(name)
+                out.tensors.append(t)
+            else:
+                out.frozen.append((name, t))
+        return out
+
+    @property
+    def sharded(self) -> list[int]:
+        """Indices of the FSDP2 (DTensor) parameters."""
+        return [i for i, t in enumerate(self.tensors) if is_dtensor(t)]
+
+    def changed(self) -> str | None:
+        """Why the trainable parameters are no longer the ones accumulated (None if they are).
+
+        A parameter unfrozen after construction would get gradients that are neither reduced nor divided:
+        every rank would keep its own. Names are compared under FSDP2 (whose registered tensors change
+        between sharded and unsharded), identities otherwise.
+        """
+        for name, t in self.frozen:
+            if t.requires_grad:
+                return f"parameter {name!r} was frozen when the accumulator was built and now requires grad"
+        if self.module is None:
+            return None
+        by_name = self.sharded != []
+        now = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        mine = dict(zip(self.names, self.tensors))
+        for n, p in now:
+            if n not in mine or (not by_name and mine[n] is not p):
+                return f"parameter {n!r} requires grad but is not among the accumulated ones (unfrozen or replaced)"
+        return None
+
+
+def _pair(item: object) -> tuple[str, object]:
+    if isinstance(item, tuple) and len(item) == 2:
+        return str(item[0]), item[1]
+    return "?", item
+
+
+__all__ = ["ParamSource", "Params"]

@@ -1,0 +1,125 @@
+"""One accumulation window's local state: counts, weights, participation, and why it cannot be finished.
+
+Everything that must make *every* rank refuse travels as a status code in the window's collective
+(see :mod:`gradagg.torch._flat`); the text here explains it on the rank where it happened.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+
+import torch
+from gradagg.errors import GradaggError
+
+OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER = range(9)
+STATUS_TEXT = {
+    RAISED: "poisoned (a microbatch raised after gradients were accumulated)",
+    OUTSIDE: "poisoned (a backward ran outside microbatch(): not counted in M)",
+    STALE: "had gradients before its window",
+    CHANGED: "accumulates other parameters than when it was built (one unfrozen or replaced)",
+    WEIGHT: "had an invalid or inconsistent microbatch weight",
+    LATE: "accumulated a gradient after the microbatch marked last (or after its bucket was sent)",
+    UNSUPPORTED: "got a gradient the accumulator cannot hold (sparse)",
+    PEER: "refused an earlier finish() of this window (another rank failed in it)",
+}
+NONE, UNWEIGHTED, WEIGHTED, DIVIDED = range(4)  # weighting codes, the indices of ledger.WEIGHTING
+
+Weight = float | torch.Tensor
+
+
+def check_weight(weight: object) -> Weight:
+    """A microbatch weight as given: a non-negative real number or 0-dim real tensor (its value is checked later).
+
+    Raises:
+        GradaggError: a bool, a string, a complex number, a tensor with more than one element, ...
+
+    >>> check_weight(12)
+    12.0
+    >>> check_weight(True)
+    Traceback (most recent call last):
+    ...
+    gradagg.errors.GradaggError: a microbatch weight must be a real number or a 0-dim tensor, got bool True
+    """
+    if isinstance(weight, torch.Tensor):
+        if weight.dim() != 0 or weight.dtype == torch.bool or weight.is_complex():
+            raise GradaggError(
+                f"a microbatch weight tensor must be 0-dim and real, got shape {tuple(weight.shape)} {weight.dtype}"
+            )
+        return weight.detach()
+    if isinstance(weight, bool) or not isinstance(weight, Real):
+        raise GradaggError(
+            f"a microbatch weight must be a real number or a 0-dim tensor, got {type(weight).__name__} {weight!r}"
+        )
+    return float(weight)
+
+
+def weight_values(weights: list[Weight]) -> list[float]:
+    """The weights as Python floats (tensors read in one transfer)."""
+    tensors = [w for w in weights if isinstance(w, torch.Tensor)]
+    read = iter(torch.stack([t.double().cpu() for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(w, torch.Tensor) else w for w in weights]
+
+
+def weight_problem(values: list[float]) -> str | None:
+    """The first weight that cannot count (negative, NaN, infinite), named by its microbatch."""
+    for k, v in enumerate(values):
+        if not math.isfinite(v) or v < 0:
+            return f"microbatch {k} has weight {v}: a weight must be finite and non-negative"
+    return None
+
+
+@dataclass
+class Window:
+    """The counters of the current window on this rank."""
+
+    params: int
+    open: bool = False
+    in_microbatch: bool = False
+    in_last: bool = False
+    last_done: bool = False
+    seen: set[int] = field(default_factory=set)
+    written: set[int] = field(default_factory=set)  # parameters with a gradient in the buffer this window
+    m: int = 0
+    participation: list[int] = field(default_factory=list)
+    weights: list[Weight] = field(default_factory=list)
+    mode: int = NONE
+    status: int = OK
+    poison: str | None = None
+    terms_local: dict[str, float] | None = None
+    terms: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        self.participation = [0] * self.params
+
+    def fail(self, status: int, why: str) -> None:
+        """Mark the window unfinishable (the first reason wins); finish() then refuses on every rank."""
+        if self.status == OK:
+            self.status, self.poison = status, why
+
+    def note_weighting(self, weight: Weight | None) -> None:
+        """Check that this microbatch is counted the way the window's earlier ones were."""
+        mode = WEIGHTED if weight is not None else UNWEIGHTED
+        if self.mode == DIVIDED and weight is not None:
+            self.fail(WEIGHT, f"microbatch {self.m} has a weight, but the loss terms were divided ahead (divisors())")
+        elif self.mode in (UNWEIGHTED, WEIGHTED) and mode != self.mode:
+            first = "weighted" if self.mode == WEIGHTED else "unweighted"
+            self.fail(
+                WEIGHT,
+                f"microbatch {self.m} is {'weighted' if weight is not None else 'unweighted'} "
+                f"but the window's first was {first}: weight every microbatch or none",
+            )
+        elif self.mode == NONE:
+            self.mode = mode
+
+    def complete(self, weight: Weight | None) -> None:
+        """A microbatch ended without raising: count it, its weight and its participation."""
+        self.m += 1
+        for i in self.seen:
+            self.participation[i] += 1
+        if weight is not None:
+            self.weights.append(weight)
+
+
+__all__ = ["STATUS_TEXT", "Window", "check_weight", "weight_problem", "weight_values"]

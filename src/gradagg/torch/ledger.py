@@ -1,0 +1,99 @@
+"""What one accumulation window counted: the :class:`Ledger` that :meth:`MicrobatchAccumulator.finish` returns.
+
+Vocabulary (see :mod:`gradagg.reference`): a **microbatch** is one forward/backward pass; M is how many
+ran on all ranks; a microbatch's **weight** is what it counts for in the divisor (typically its number of
+valid tokens; 1 without weights); the **divisor** D is what the summed gradients were divided by: M
+without weights, the total weight with weights, 1 when the loss terms were divided ahead of time
+(:meth:`~gradagg.torch.MicrobatchAccumulator.divisors`); **participation** is in how many microbatches a
+parameter got a gradient (reported, never a divisor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WEIGHTING = ("none", "unweighted", "weighted", "divided ahead")
+"""How a rank's window was counted, indexed by the code that travels in the collective."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What one accumulation window counted. Global fields are None until :meth:`~MicrobatchAccumulator.finish`.
+
+    Attributes:
+        rank: this process's rank in the group (0 with no group).
+        world_size: ranks in the group (1 with no group).
+        microbatches_local: microbatches completed on this rank.
+        microbatches_global: M, the microbatches completed on all ranks.
+        microbatches_per_rank: M split by rank.
+        divisor: D, what the summed gradients were actually divided by: M without weights, the total
+            weight with weights, 1 when the loss terms were divided ahead (see ``terms``).
+        weighting: ``"unweighted"``, ``"weighted"`` or ``"divided ahead"`` (``"none"``: no microbatch yet).
+        weight_local: this rank's total weight (None without weights).
+        weight_per_rank: each rank's total weight (None without weights or before finish).
+        weight_global: the total weight over all ranks, the divisor of a weighted window.
+        participation_local: parameter name -> microbatches in which it got a gradient, on this rank.
+        participation_global: the same summed over ranks. Reported, never a divisor.
+        terms_local: loss term -> this rank's count, as given to ``divisors()`` (None if not used).
+        terms: loss term -> its global divisor, what the user divided that term by.
+
+    >>> Ledger(rank=0, world_size=1, microbatches_local=2, microbatches_global=2, microbatches_per_rank=(2,),
+    ...        divisor=2, participation_local={"w": 1}, participation_global={"w": 1}).divisor
+    2
+    """
+
+    rank: int
+    world_size: int
+    microbatches_local: int
+    microbatches_global: int | None
+    microbatches_per_rank: tuple[int, ...] | None
+    divisor: float | None
+    participation_local: dict[str, int]
+    participation_global: dict[str, int] | None
+    weighting: str = "unweighted"
+    weight_local: float | None = None
+    weight_per_rank: tuple[float, ...] | None = None
+    weight_global: float | None = None
+    terms_local: dict[str, float] | None = None
+    terms: dict[str, float] | None = field(default=None)
+
+    def report(self) -> str:
+        """A readable table of the window: M, the divisor and what it counted, participation per parameter.
+
+        Returns:
+            Several lines of text.
+        """
+        lines = [f"accumulation window, rank {self.rank} of {self.world_size}", self._counts_line()]
+        lines += self._divisor_lines()
+        width = max([len("parameter")] + [len(n) for n in self.participation_local])
+        lines.append(f"{'parameter':<{width}}  {'local':>6}  {'global':>6}")
+        for name, local in self.participation_local.items():
+            g = "-" if self.participation_global is None else str(self.participation_global[name])
+            lines.append(f"{name:<{width}}  {local:>6}  {g:>6}")
+        lines.append("participation = microbatches in which the parameter got a gradient; reported, never a divisor")
+        return "\n".join(lines)
+
+    def _counts_line(self) -> str:
+        per_rank = "" if self.microbatches_per_rank is None else f" (per rank: {list(self.microbatches_per_rank)})"
+        glob = "not finished" if self.microbatches_global is None else str(self.microbatches_global)
+        return f"microbatches: local {self.microbatches_local}, global {glob}{per_rank}"
+
+    def _divisor_lines(self) -> list[str]:
+        if self.divisor is None:
+            return ["divisor: not finished"]
+        if self.weighting == "weighted":
+            per_rank = ""
+            if self.weight_per_rank is not None:
+                per_rank = f" (per rank: [{', '.join(_num(w) for w in self.weight_per_rank)}])"
+            return [f"divisor D = total weight = {_num(self.divisor)}{per_rank}"]
+        if self.weighting == "divided ahead":
+            terms = ", ".join(f"{k} by {_num(v)}" for k, v in (self.terms or {}).items())
+            return [f"divisor D = 1: loss terms divided ahead ({terms})"]
+        return [f"divisor M = {_num(self.divisor)}"]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+__all__ = ["WEIGHTING", "Ledger"]

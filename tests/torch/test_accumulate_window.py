@@ -1,0 +1,245 @@
+"""MicrobatchAccumulator in one process: weights, loss terms, the last microbatch, and the holes of issue 7.
+
+No process group: the same code path as a world of one (no communication). The distributed versions of
+these checks are in test_training.py.
+"""
+
+from __future__ import annotations
+
+import dist_workers as w
+import pytest
+import train_workers as tw
+
+import torch
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch import MicrobatchAccumulator, count_collectives
+
+TOL = 1e-12  # float64, <= 10 microbatch sums in another order than the full batch: see test_training.py
+
+
+def test_weights_give_the_token_mean() -> None:
+    """Weights = valid tokens (6, 2, 5, 0, 3): D = 16, the gradient of the mean over all 16 valid tokens;
+    dividing by M = 5 instead would miss it."""
+    data = tw.token_batches(5)
+    model = w.TinyMoE()
+    ledger = tw.run_weighted(model, MicrobatchAccumulator(model), data, lookahead=False)
+    assert w.max_error(w.grads_of(model), tw.token_truth(data)) <= TOL
+    assert ledger.divisor == ledger.weight_global == 16 and ledger.microbatches_global == 5
+    scaled = {n: None if g is None else g * 16 / 5 for n, g in w.grads_of(model).items()}  # divided by M
+    assert w.max_error(scaled, tw.token_truth(data)) > 0.01
+
+
+def test_tensor_weights_and_the_ledger_before_finish() -> None:
+    """0-dim tensor weights count like numbers; before finish the ledger shows the local weight only."""
+    data = tw.token_batches(3)
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    for batch in data:
+        with acc.microbatch(weight=batch[3].sum()):
+            tw.token_loss_sum(model, batch).backward()
+    assert acc.ledger.weight_local == 13.0 and acc.ledger.weight_global is None
+    assert acc.finish().divisor == 13
+    assert w.max_error(w.grads_of(model), tw.token_truth(data)) <= TOL
+
+
+@pytest.mark.parametrize("bad", [True, "3", torch.ones(2), torch.tensor(1j), [1]])
+def test_weight_of_the_wrong_type_is_refused_at_once(bad: object) -> None:
+    """A bool, a string, a 1-d or complex tensor, a list: GradaggError before anything runs."""
+    acc = MicrobatchAccumulator(w.TinyMoE())
+    with pytest.raises(GradaggError, match="weight"), acc.microbatch(weight=bad):
+        pass
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), torch.tensor(-2.0)])
+def test_invalid_weight_values_poison_the_window(bad: object) -> None:
+    """A negative, NaN or infinite weight: the microbatch runs, finish() refuses naming it (on every rank)."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    with acc.microbatch(weight=2):
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with acc.microbatch(weight=bad):
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="microbatch 1 has weight"):
+        acc.finish()
+
+
+def test_mixed_weighting_and_zero_total_weight() -> None:
+    """Weighted then unweighted: refused. All weights 0: no mean to take (D = 0), refused."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    for weight in (1, None):
+        with acc.microbatch(weight=weight):
+            w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="is unweighted but the window's first was weighted"):
+        acc.finish()
+    acc.discard()
+    with acc.microbatch(weight=0):
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="total weight of the window is 0"):
+        acc.finish()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_divisors_counted_ahead() -> None:
+    """Two terms, tokens (16) and microbatches (5), each divided by its own divisor: the full-batch loss; D = 1."""
+    data = tw.token_batches(5)
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    div = acc.divisors({"tokens": 16, "microbatches": torch.tensor(5)})
+    for batch in data:
+        with acc.microbatch():
+            loss = tw.token_loss_sum(model, batch) / div["tokens"] + tw.aux_loss(model, batch) / div["microbatches"]
+            loss.backward()
+    ledger = acc.finish()
+    assert w.max_error(w.grads_of(model), tw.terms_truth(data)) <= TOL
+    assert ledger.divisor == 1 and ledger.terms == div and "tokens by 16" in ledger.report()
+
+
+def test_divisors_misuse() -> None:
+    """After the window's first microbatch, twice, a negative count, a term totalling 0, a weight: refused."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    with pytest.raises(GradaggError, match="totals 0"):
+        acc.divisors({"tokens": 0})
+    with pytest.raises(GradaggError, match="count -1.0"):
+        acc.divisors({"tokens": -1})
+    acc.divisors({"tokens": 4})
+    with pytest.raises(WindowError, match="once per window"):
+        acc.divisors({"tokens": 4})
+    with acc.microbatch(weight=2):
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="divided ahead"):
+        acc.finish()
+
+
+def test_lookahead_and_many_buckets_match() -> None:
+    """microbatches() marks the last; with a 13-element bucket cap the early buckets are handed to the
+    (absent) group during the last backward: the same gradients as without look-ahead, no communication."""
+    batches = w.microbatches(4)
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model, bucket_mb=1e-4)
+    with count_collectives() as c:
+        for batch in acc.microbatches(batches):
+            with acc.microbatch():
+                w.loss_of(model, batch).backward()
+        acc.finish()
+    assert len(acc._layout_now().buckets) > 2 and c.total == 0
+    assert w.max_error(w.grads_of(model), w.full_batch_grads(batches)) <= TOL
+
+
+def test_second_backward_after_the_last_buckets_left_is_refused() -> None:
+    """Two backwards in the microbatch marked last: the first already sent complete buckets, so the second's
+    gradients would be lost: refused, not silently dropped."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))  # 20 + 5 elements: 2+ buckets
+    acc = MicrobatchAccumulator(model, bucket_mb=1e-5)
+    x = torch.ones(2, 4)
+    with acc.microbatch(last=True):
+        model(x).sum().backward()
+        model(x).sum().backward()
+    with pytest.raises(WindowError, match="after its bucket was sent"):
+        acc.finish()
+
+
+def test_microbatch_after_the_last_is_refused() -> None:
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    for last in (True, False):
+        with acc.microbatch(last=last):
+            w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="after the microbatch marked last"):
+        acc.finish()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_microbatches_drops_nothing(set_to_none: bool) -> None:
+    """optimizer.zero_grad() before each of 3 microbatches: all 3 still count (full-batch gradient, M = 3)."""
+    batches = w.microbatches(3)
+    model = w.TinyMoE()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    acc = MicrobatchAccumulator(model)
+    for batch in batches:
+        opt.zero_grad(set_to_none=set_to_none)
+        with acc.microbatch():
+            w.loss_of(model, batch).backward()
+    assert acc.finish().divisor == 3
+    assert w.max_error(w.grads_of(model), w.full_batch_grads(batches)) <= TOL
+
+
+def test_unfrozen_after_construction_is_refused() -> None:
+    """A module's frozen layer unfrozen later, or a frozen tensor given directly then unfrozen: refused."""
+    model = w.TinyMoE()
+    model.unused.requires_grad_(False)
+    acc = MicrobatchAccumulator(model)
+    model.unused.requires_grad_(True)
+    with acc.microbatch():
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError, match="'unused.weight' was frozen"):
+        acc.finish()
+    frozen = torch.zeros(2)
+    acc2 = MicrobatchAccumulator([("a", torch.zeros(2, requires_grad=True)), ("b", frozen)])
+    frozen.requires_grad_(True)
+    with pytest.raises(WindowError, match="'b' was frozen"):
+        acc2.finish()
+
+
+def test_complex_parameters_one_process() -> None:
+    """Complex gradients are held as real and imaginary parts: .grad is complex again, equal to the full batch."""
+    g = torch.Generator().manual_seed(4)
+    zs = [torch.randn(2, 3, dtype=torch.complex128, generator=g) for _ in range(3)]
+    model, truth = tw.ComplexNet(), tw.ComplexNet()
+    acc = MicrobatchAccumulator(model)
+    for z in zs:
+        with acc.microbatch():
+            model(z).pow(2).mean().backward()
+    acc.finish()
+    truth(torch.cat(zs)).pow(2).mean().backward()
+    assert model.w.grad is not None and model.w.grad.dtype == torch.complex128
+    assert w.max_error(w.grads_of(model), w.grads_of(truth)) <= TOL
+
+
+def test_sparse_gradients_are_refused() -> None:
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    acc = MicrobatchAccumulator(emb)
+    with acc.microbatch():
+        emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(WindowError, match="sparse"):
+        acc.finish()
+
+
+def test_attach_one_process() -> None:
+    """attach(): optimizer.step() runs finish() first, so the step uses the mean (M = 2); remove() detaches."""
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=1.0)
+    acc = MicrobatchAccumulator([p])
+    handle = acc.attach(opt)
+    for v in (1.0, 3.0):
+        with acc.microbatch():
+            (p * v).sum().backward()
+    opt.step()
+    assert p.tolist() == [-2.0] and acc.ledger.divisor == 2
+    handle.remove()
+    opt.zero_grad()
+    opt.step()  # no pre-hook now: finish() is not called (it would refuse M = 0)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(GradaggError, match="bucket_mb"):
+        MicrobatchAccumulator(w.TinyMoE(), bucket_mb=0)
+    with pytest.raises(GradaggError, match="fsdp must be"):
+        MicrobatchAccumulator(w.TinyMoE(), fsdp="sometimes")  # type: ignore[arg-type]
+
+
+def test_reused_buffer_holds_nothing_stale() -> None:
+    """The buffer is reused without zeroing: window 1 leaves NaN everywhere (nonfinite="raise" raises); window 2
+    uses expert 0 only, so the other experts' slots still hold window 1's NaN: they are zeroed before they are
+    sent, and window 2 is finite and right."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model, nonfinite="raise")
+    x, y, route = w.microbatches(1)[0]
+    with pytest.raises(GradaggError, match="non-finite"):
+        w.accumulate(model, [(x.clone().fill_(float("nan")), y, torch.tensor([0, 1, 2, 0]))], acc=acc)
+    model.zero_grad()
+    only_expert_0 = [(x, y, torch.zeros(4, dtype=torch.long))]
+    w.accumulate(model, only_expert_0, acc=acc)
+    assert model.experts[1].weight.grad is None
+    assert w.max_error(w.grads_of(model), w.full_batch_grads(only_expert_0)) <= TOL
