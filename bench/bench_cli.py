@@ -1,9 +1,12 @@
 """End to end on the command line: ``gradagg owner-sum FILE.parquet`` against DuckDB's SQL over the same file.
 
 Every command is a whole process, start-up included, as a user would run it;
-both sides write the full result (JSON/CSV text to stdout, sent to /dev/null,
-or a Parquet file). Peak resident memory is each child's own ``ru_maxrss``
-(``os.wait4``). The data is seeded and generated in row groups of 2^20 rows, so
+two floor rows show what any pyarrow-based command pays before aggregating
+(importing pyarrow.parquet; decoding every row group). Both sides write the
+full result (JSON/CSV text to stdout, sent to /dev/null, or a Parquet file).
+Peak resident memory is each command's own, from GNU ``time -f %M``: a child's
+``ru_maxrss`` from ``os.wait4`` would start at this (large) script's RSS at
+fork time, which Linux carries across ``exec``. The data is seeded and generated in row groups of 2^20 rows, so
 generation itself stays in bounded memory; files live in ``bench/data/``
 (git-ignored) and are reused while their recorded parameters match.
 
@@ -100,18 +103,27 @@ def _stamp(path: Path) -> str | None:
 # --- measuring ---------------------------------------------------------------------------------
 
 
+GNU_TIME = "/usr/bin/time"
+
+
 def measure(cmd: list[str]) -> Run:
-    """Run ``cmd`` with stdout to /dev/null; its wall time and its own peak RSS (not the whole tree's max)."""
-    start = time.perf_counter()
-    with open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=devnull, stderr=err, cwd=ROOT)
+    """Run ``cmd`` with stdout to /dev/null; its wall time and its own peak RSS.
+
+    The peak comes from GNU time, whose own few MiB are the baseline the command
+    inherits (``ru_maxrss`` of a child of this script would include this script's
+    RSS at fork). Without GNU time, ``ru_maxrss`` is used and says so in the note.
+    """
+    with tempfile.NamedTemporaryFile("r") as peak, open(os.devnull, "wb") as devnull, tempfile.TemporaryFile() as err:
+        wrapped = [GNU_TIME, "-f", "%M", "-o", peak.name, *cmd] if os.path.exists(GNU_TIME) else cmd
+        start = time.perf_counter()
+        proc = subprocess.Popen(wrapped, stdout=devnull, stderr=err, cwd=ROOT)
         _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
+        seconds = time.perf_counter() - start  # GNU time's own fork and exec: ~1 ms, on both sides alike
+        if os.waitstatus_to_exitcode(status) != 0:
             err.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {err.read().decode()[-2000:]}")
-    return Run(seconds, usage.ru_maxrss / 1024)  # ru_maxrss is in KiB on Linux
+            raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode()[-2000:]}")
+        kib = int(peak.read().split()[-1]) if wrapped is not cmd else usage.ru_maxrss  # KiB either way on Linux
+    return Run(seconds, kib / 1024)
 
 
 def medians(commands: dict[str, list[str]], repeat: int) -> dict[str, Run]:
@@ -140,6 +152,13 @@ def duckdb_cmd(path: Path, out: Path | None = None) -> list[str]:
 
 
 # --- checks and the report -------------------------------------------------------------------
+
+
+def pyarrow_floor_cmds(path: Path) -> dict[str, list[str]]:
+    """What any command built on pyarrow pays before aggregating: its import, and decoding the file's columns."""
+    read = (f"import pyarrow.parquet as pq; pf = pq.ParquetFile({str(path)!r}, pre_buffer=False)\n"
+            "for i in range(pf.num_row_groups):\n    pf.read_row_group(i, use_threads=True)")  # one at a time
+    return {"import": [sys.executable, "-c", "import pyarrow.parquet"], "read": [sys.executable, "-c", read]}
 
 
 def check_agreement(path: Path, tmp: Path) -> str:
@@ -219,8 +238,14 @@ def main() -> None:
         for shards in (1000, 1_000_000):
             path = owner_file(n, shards, seed=shards)
             for label, out in (("result to stdout", None), ("-o result.parquet", tmp / "out.parquet")):
-                got = medians({"g": gradagg_cmd(path, out), "d": duckdb_cmd(path, out)}, args.repeat)
+                cmds = {"g": gradagg_cmd(path, out), "d": duckdb_cmd(path, out)}
+                floor = shards == 1000 and out is None
+                got = medians({**cmds, **(pyarrow_floor_cmds(path) if floor else {})}, args.repeat)
                 lines.append(row(f"{n:.0e} rows, shard ids < {shards:.0e}, {label}", got["g"], got["d"]))
+                if floor:  # side by side in the same run: the part of gradagg's time that is pyarrow's own
+                    lines.append(row("(floor) python -c 'import pyarrow.parquet'", got["import"], got["d"]))
+                    lines.append(row(f"(floor) pyarrow reads the {n:.0e}-row file, no aggregation", got["read"],
+                                     got["d"]))
             notes.append(f"{n:.0e} rows, shard ids < {shards:.0e}: {check_agreement(path, tmp)}")
         if big:
             path = owner_file(big, 1_000_000, seed=7)

@@ -69,26 +69,26 @@ def floor_runner(columns: list[Any]) -> Runner:
 
 def gradagg_runners(d: dict[str, Any]) -> dict[str, Runner]:
     import torch
+    from gradagg import engine
     from gradagg.backends import numpy as nb
-    from gradagg.backends import torch as tb
     from gradagg.engine import owner_sum_columns
 
     cols = [d["shard_id"], d["worker_id"], d["owner_id"], d["gradient"]]
     tcols = [c if c.dtype.kind == "U" else torch.from_numpy(c) for c in cols]
 
     def pure() -> object:
-        nb.USE_KERNELS = False
+        nb._kernels.ENABLED = False
         try:
             return owner_sum_columns(*cols, engine="numpy")
         finally:
-            nb.USE_KERNELS = nb._kernels.AVAILABLE
+            nb._kernels.ENABLED = nb._kernels.AVAILABLE
 
     def torch_ops() -> object:
-        tb.CPU_VIA_NUMPY = False
+        engine.CPU_TENSORS_VIA_NUMPY = False  # the device-generic torch ops, here on CPU
         try:
             return owner_sum_columns(*tcols, engine="torch")
         finally:
-            tb.CPU_VIA_NUMPY = nb._kernels.AVAILABLE
+            engine.CPU_TENSORS_VIA_NUMPY = None
 
     return {
         "gradagg auto (numpy+numba)": lambda: owner_sum_columns(*cols),
@@ -151,11 +151,11 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     sql = "SELECT (" + " + ".join(f"COALESCE({k}, 0)" for k in arrays) + f") / {m} FROM t"
 
     def pure() -> object:
-        nb.USE_KERNELS = False
+        nb._kernels.ENABLED = False
         try:
             return microbatch_mean_columns(values, present, engine="numpy")
         finally:
-            nb.USE_KERNELS = nb._kernels.AVAILABLE
+            nb._kernels.ENABLED = nb._kernels.AVAILABLE
 
     runners: dict[str, Runner] = {
         "gradagg auto (numpy+numba)": lambda: microbatch_mean_columns(values, present),

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_against_reference(torch: Any, device: Any) -> list[str]:
     """Seeded inputs through the CUDA path; a list of failure messages (empty when all agree)."""
     from gradagg import reference
-    from gradagg.engine import microbatch_mean_columns, owner_sum_columns
+    from gradagg.engine import microbatch_mean_columns, owner_sum_columns, python_values
 
     failures = []
     for seed in range(3):
@@ -69,7 +69,7 @@ def check_against_reference(torch: Any, device: Any) -> list[str]:
             shards, totals = owner_sum_columns(*on_device, torch.from_numpy(grad).to(device))
             if totals.device.type != "cuda":
                 failures.append(f"seed {seed} {kind}: totals came back on {totals.device}, not on the GPU")
-            problem = _compare(rows, want, list(_tolist(shards)), totals.cpu().numpy())
+            problem = _compare(rows, want, python_values(shards), totals.cpu().numpy())
             if problem:
                 failures.append(f"seed {seed} {kind}: {problem}")
         values = np.random.default_rng(seed).standard_normal((6, 1000)).astype(np.float32)
@@ -95,10 +95,6 @@ def _columns(seed: int, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     if kind == "int-grad":
         grad = rng.integers(-(10**9), 10**9, n)
     return shard, worker, owner, grad
-
-
-def _tolist(x: Any) -> list[Any]:
-    return list(x.tolist())
 
 
 def _compare(rows: list[list[Any]], want: list[list[Any]], shards: list[Any], totals: np.ndarray) -> str:

@@ -219,9 +219,11 @@ def test_wrong_schema_names_column(tmp_path: Path, capsys: Any) -> None:
     pq.write_table(pa.table({"shard_id": [1], "worker_id": [0], "owner_id": [0], "gradient": ["0.5"]}), path)
     assert_one_line_error(
         *run(capsys, "owner-sum", str(path)),
-        "column 'gradient' has type string, expected float64, float32 or fixed_size_list",
+        "column 'gradient' has type string, expected a float or integer type",
     )
-    assert_one_line_error(*run(capsys, "mean", str(path)), "column 'shard_id' has type int64, expected float64")
+    assert_one_line_error(
+        *run(capsys, "mean", str(path)), "column 'gradient' has type string, expected a float or integer type (the mean"
+    )
 
 
 def test_failure_leaves_no_partial_output(tmp_path: Path, capsys: Any) -> None:
@@ -305,3 +307,69 @@ def test_parquet_from_standard_input(tmp_path: Path) -> None:
                               capture_output=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == reference.microbatch_mean(rows)
+
+
+# --- holes of issue 7: each answer the reference's, or one clear line -------------------------------------------
+
+
+def write_json(tmp_path: Path, name: str, value: Any) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(value), encoding="utf-8")  # ensure_ascii: NULs and lone surrogates as \\u escapes
+    return str(path)
+
+
+BIG_INT_ROWS = [["x", "a", "a", 1], ["y", "a", "a", 0.5], ["x", "a", "a", 2**53 + 1]]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_exact_integer_totals_beside_floats(tmp_path: Path, capsys: Any, engine: str) -> None:
+    """x's gradients are all ints: its total is the exact 9007199254740994 on every engine, not 2**53 as a float."""
+    skip_missing(engine)
+    status, out, err = run(capsys, "owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "--engine", engine)
+    assert (status, err) == (0, "") and out == '[["x", 9007199254740994], ["y", 0.5]]\n'
+
+
+def test_parquet_output_never_rounds_an_exact_integer_total(tmp_path: Path, capsys: Any) -> None:
+    """An int total beside float ones cannot share a float64 column unrounded: refused; all-int totals stay int64."""
+    out = tmp_path / "out.parquet"
+    assert_one_line_error(*run(capsys, "owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "-o", str(out)),
+                          "shard 'x' has the exact integer total 9007199254740994")
+    assert not out.exists()
+    ints = [["x", "a", "a", 2**53], ["x", "a", "a", 1], ["y", "b", "b", 3]]
+    assert run(capsys, "owner-sum", write_json(tmp_path, "ints.json", ints), "-o", str(out)) == (0, "", "")
+    assert pq.read_table(out).column("total").to_pylist() == [2**53 + 1, 3]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("fmt", ["json", "parquet"])
+def test_ids_differing_by_a_trailing_nul(tmp_path: Path, capsys: Any, engine: str, fmt: str) -> None:
+    """'a' and 'a\\0' are two shards; worker 'w\\0' is not owner 'w', so its row is a replica and never counts."""
+    skip_missing(engine)
+    rows = [["a", "w", "w", 1.0], ["a\x00", "w", "w", 2.0], ["a", "w\x00", "w", 4.0]]
+    path = write_owner(tmp_path, rows, "parquet") if fmt == "parquet" else write_json(tmp_path, "rows.json", rows)
+    status, out, err = run(capsys, "owner-sum", path, "--engine", engine)
+    assert status == 0, err
+    assert json.loads(out) == reference.owner_sum(rows) == [["a", 1.0], ["a\x00", 2.0]]
+
+
+@pytest.mark.parametrize("engine", ["numpy", "torch"])
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
+def test_integers_beyond_int64_on_fixed_width_engines(tmp_path: Path, capsys: Any, engine: str, value: int) -> None:
+    """As an id it is an exact key (the reference's answer); as a gradient the fixed-width engines cannot sum it:
+    one line naming it and pointing to --engine python (which sums it), no traceback."""
+    skip_missing(engine)
+    as_id = write_json(tmp_path, "id.json", [[value, 0, 0, 1.5]])
+    assert run(capsys, "owner-sum", as_id, "--engine", engine) == (0, f"[[{value}, 1.5]]\n", "")
+    as_gradient = write_json(tmp_path, "gradient.json", [[1, 0, 0, value]])
+    status, out, err = run(capsys, "owner-sum", as_gradient, "--engine", engine)
+    assert_one_line_error(status, out, err, f"{value}")
+    assert "beyond int64" in err and "engine='python'" in err
+    assert run(capsys, "owner-sum", as_gradient, "--engine", "python") == (0, f"[[1, {value}]]\n", "")
+
+
+def test_lone_surrogate_id_to_parquet_is_refused(tmp_path: Path, capsys: Any) -> None:
+    """JSON can carry a lone surrogate (\\ud800); UTF-8, so Parquet, cannot: one line, and no file left behind."""
+    path = write_json(tmp_path, "rows.json", [["\ud800", "a", "a", 1.0]])
+    out = tmp_path / "out.parquet"
+    assert_one_line_error(*run(capsys, "owner-sum", path, "-o", str(out)), "lone surrogate")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

@@ -1,65 +1,52 @@
-"""Columnar entry points for both contracts; the one place that chooses a backend.
+"""Both contracts on columns, rows or batches: the one place that chooses a backend and converts between frameworks.
 
-The contracts are those of :mod:`gradagg.reference` (read its vocabulary
-first); this module runs them on columns instead of rows:
+The contracts are those of :mod:`gradagg.reference` (read its vocabulary first):
 
-* :func:`owner_sum_columns` — owner-only shard reduction over four columns
-  (or one Arrow table).
-* :func:`microbatch_mean_columns` — the microbatch mean over an ``(M, P)``
-  array with an explicit ``present`` mask; the divisor is always M.
-* :class:`OwnerSumAccumulator` / :class:`MicrobatchMeanAccumulator` — the
-  same contracts fed batch by batch (e.g. Parquet record batches), in memory
-  that grows with the number of distinct shards (resp. parameters), not rows.
+* :func:`owner_sum_columns` / :func:`microbatch_mean_columns`: on NumPy arrays,
+  torch tensors, Python lists or one Arrow table;
+* :func:`owner_sum_rows` / :func:`microbatch_mean_rows`: on the reference's own
+  rows, with its answers and its messages, on any engine;
+* :func:`owner_sum_batches` / :func:`microbatch_mean_batches` and the two
+  accumulators: the same fed batch by batch (a Parquet file's record batches),
+  in memory that grows with the distinct shards (resp. parameters), not rows.
 
-Engines (``engine=``):
+Engines (``engine=``): ``"python"`` is the reference itself (slow, obviously
+right); ``"numpy"`` is :mod:`gradagg.backends.numpy` (fused one-pass kernels
+when numba is installed, the same answers without); ``"torch"`` is
+:mod:`gradagg.backends.torch` on the tensors' device, except that CPU tensors
+run on the NumPy kernels through zero-copy views when those are compiled
+(:data:`CPU_TENSORS_VIA_NUMPY`: the fastest CPU path, the same bits);
+``"auto"`` picks ``"torch"`` for torch tensors, ``"numpy"`` for everything else
+(``"python"`` without NumPy), and the reference for rows.
 
-``"python"``
-    The pure-Python reference itself, on the columns turned into rows. Slow,
-    obviously right; useful to cross-check.
-``"numpy"``
-    :mod:`gradagg.backends.numpy`: vectorised NumPy, with fused one-pass
-    kernels compiled by numba when numba is installed (same answers). Large
-    inputs use a second core where that leaves every sum's order unchanged.
-``"torch"``
-    :mod:`gradagg.backends.torch`: PyTorch tensors on any device. CPU tensors
-    go through the NumPy kernels on zero-copy views when numba is installed.
-``"auto"`` (default)
-    ``"torch"`` for torch tensors, ``"numpy"`` for NumPy arrays, Arrow tables
-    and Python lists (the benchmark in ``bench/bench_engines.py`` shows the
-    numpy backend fastest on CPU data), ``"python"`` when NumPy is missing.
+Results come back in the input's kind: NumPy in, NumPy out; torch in, torch out
+(totals on the gradients' device, integer shards as the shard ids were; string
+shards are always a NumPy object array of the strings, since a ``<U`` array
+would drop trailing NULs). Totals are int64 for integer gradients, float64 for
+floating ones (float32 summed in float64, as the reference sums Python floats).
 
-Results come back in the input's array kind: NumPy in, NumPy out; torch in,
-torch out on the same device (totals follow the gradients, shards follow the
-shard ids, since torch cannot hold strings); Arrow or lists in, NumPy out.
-Totals are ``int64`` for integer gradients and ``float64`` for floating ones
-(float32 input is summed in float64, exactly as the reference sums Python
-floats).
+Numbers: on CPU every engine adds a shard's owner gradients one by one in row
+order from the first, so float totals are bit-identical to the reference; on
+CUDA (atomic adds) each total is within ``2 * (n - 1) * 2**-53 * sum(|g|)`` of
+it over the shard's n owner rows. Integer totals are exact while they fit in
+int64; what the backends cannot hold exactly (an overflow risk, integers beyond
+int64, integers above 2**53 mixed with floats) is a clear error that suggests
+``engine="python"``, never a rounded answer.
 
-Numbers. The ``"numpy"`` engine, and ``"torch"`` on CPU, add each shard's
-owner gradients one by one **in row order**, starting from the first row, so a
-float total is bit-identical to :func:`gradagg.reference.owner_sum` on the same
-rows (the tests check this on seeded random data). On CUDA the rows of a shard
-are added in an unspecified order (atomic adds); each total then differs from
-the reference by at most ``2 * (n - 1) * 2**-53 * sum(|g|)`` over that shard's
-n owner rows (the worst-case bound of any summation order, applied to both).
-Integer totals are exact while they fit in int64; a batch that could overflow
-raises :class:`~gradagg.errors.GradaggError` (use ``engine="python"`` for
-unbounded integers).
-
-``import gradagg`` does not import this module; importing it imports neither
-NumPy nor torch: each is loaded when first needed.
+Importing this module imports neither NumPy nor torch: each loads when needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Literal, TypeAlias
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
+from gradagg import reference
 from gradagg.errors import GradaggError
+from gradagg.options import ENGINES, check_engine, check_nonfinite
 
-Engine: TypeAlias = Literal["auto", "python", "numpy", "torch"]
-ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "torch")
-_NONFINITE = ("propagate", "raise")
+CPU_TENSORS_VIA_NUMPY: bool | None = None
+"""Run torch CPU tensors on the NumPy kernels (zero-copy): None = when numba compiled them; tests set it."""
 
 
 def owner_sum_columns(
@@ -74,32 +61,25 @@ def owner_sum_columns(
     """Sum each shard's gradient over the rows its owner contributed, on columns.
 
     Args:
-        shard_ids: N shard ids: a NumPy array (integer, unicode ``<U`` or
-            object holding ``str``/``int``), a torch tensor (integer), or a
-            list. Alternatively a ``pyarrow.Table`` or ``RecordBatch`` with
-            columns ``shard_id``, ``worker_id``, ``owner_id``, ``gradient``,
-            passed alone: ``owner_sum_columns(table)``.
-        worker_ids: N ids of the worker that produced each row (same kinds).
-        owner_ids: N ids of each row's shard owner. A row counts only when its
-            worker equals its owner.
-        gradients: shape ``(N,)`` (scalar gradients) or ``(N, D)`` (vectors),
-            integer or floating; never bool.
+        shard_ids: N int or str ids (a NumPy array, a torch tensor of ints, a
+            list), or a ``pyarrow.Table`` / ``RecordBatch`` with columns
+            ``shard_id, worker_id, owner_id, gradient`` passed alone.
+        worker_ids: N ids of the worker that produced each row.
+        owner_ids: N ids of each row's shard owner (the kind of ``worker_ids``);
+            a row counts only when its worker equals its owner.
+        gradients: ``(N,)`` or ``(N, D)`` integers or floats, never bool.
         engine: ``"auto"``, ``"python"``, ``"numpy"`` or ``"torch"``.
-        nonfinite: ``"propagate"`` lets a counted NaN/Inf into its total;
-            ``"raise"`` makes it an error naming the row and shard. Replica
-            rows are never counted, so never checked.
+        nonfinite: ``"propagate"`` or ``"raise"`` (a counted NaN/Inf is an error
+            naming its row and shard; replica rows are never checked).
 
     Returns:
-        ``(shards, totals)``: the shards that have at least one owner row,
-        sorted ascending, and their totals, shape ``(S,)`` or ``(S, D)``.
+        ``(shards, totals)``: the shards with an owner row, sorted, and their
+        totals of shape ``(S,)`` or ``(S, D)``.
 
     Raises:
-        GradaggError: a subclass naming the column, row and values at fault:
-            mismatched column lengths (RowShapeError), gradient ndim > 2
-            (GradientShapeError), bool or non-numeric gradients
-            (GradientTypeError), missing, float or mixed int/str ids (IdError),
-            a non-finite counted gradient with ``nonfinite="raise"``
-            (NonFiniteGradientError), an unknown engine.
+        GradaggError: a subclass naming the column, row and values at fault
+            (lengths, shapes, bool or non-numeric gradients, missing, float or
+            mixed ids, a counted NaN with ``"raise"``, an unknown engine).
 
     >>> import numpy as np
     >>> shards, totals = owner_sum_columns(
@@ -113,90 +93,224 @@ def owner_sum_columns(
 
 
 def microbatch_mean_columns(
-    values: Any,
-    present: Any = None,
-    *,
-    engine: str = "auto",
-    nonfinite: str = "propagate",
+    values: Any, present: Any = None, *, engine: str = "auto", nonfinite: str = "propagate"
 ) -> Any:
     """Mean of each parameter over all M microbatches; absence is explicit and counts as zero.
 
     Args:
-        values: one of
-            * an ``(M, P)`` NumPy array or torch tensor (row i = microbatch i);
-            * a list of M lists of P items, each a tensor, an array, a number,
-              or ``None`` where the parameter was absent (the shape of a
-              training step's gradients: one tensor per parameter);
-            * a ``pyarrow.Table`` or ``RecordBatch`` whose M columns are the
-              microbatches (P rows each); a null is an absent value.
-        present: for array input, an ``(M, P)`` boolean mask, True where the
-            value is present; ``None`` means all present. NaN is a value,
-            never a marker of absence.
+        values: an ``(M, P)`` NumPy array or torch tensor (row i = microbatch
+            i); or a list of M lists of P items (tensors, arrays, numbers, or
+            ``None`` where absent); or an Arrow table of M microbatch columns
+            (null = absent).
+        present: for array input, ``(M, P)`` booleans, True where present;
+            ``None`` = all present. NaN is a value, never a marker of absence.
         engine: ``"auto"``, ``"python"``, ``"numpy"`` or ``"torch"``.
-        nonfinite: ``"propagate"`` or ``"raise"`` (names the microbatch and
-            parameter of the first present non-finite value).
+        nonfinite: ``"propagate"`` or ``"raise"`` (names the first present
+            NaN/Inf's microbatch and parameter).
 
     Returns:
         float64 means ``sum_i(value[i, j] if present else 0) / M`` in the
-        input's kind: a ``(P,)`` array/tensor, or for list input a list of P
-        results (a 0-d zero where no microbatch revealed a parameter's shape).
-        With M = 0 the result is empty, as in the reference.
+        input's kind; for list input a list of P results (a 0-d zero where no
+        microbatch showed a parameter's shape); empty when M = 0.
 
     Raises:
-        GradaggError: a ragged or mis-shaped input (RowShapeError,
-            GradientShapeError), a bool/non-numeric value or mask
-            (GradientTypeError), a non-finite value with
-            ``nonfinite="raise"`` (NonFiniteGradientError).
+        GradaggError: a ragged or mis-shaped input, a bool/non-numeric value
+            or mask, a counted NaN/Inf with ``"raise"``.
 
     >>> import numpy as np
     >>> microbatch_mean_columns(np.array([[2.0, 0.0], [4.0, 6.0]]), np.array([[True, False], [True, True]])).tolist()
     [3.0, 3.0]
     """
-    _check_options(engine, nonfinite)
-    if _kind(values) == "arrow":
-        values, present = _arrow_module().microbatch_columns(values)
-    engine = resolve_engine(engine, _first_item(values))
+    acc = MicrobatchMeanAccumulator(engine=engine, nonfinite=nonfinite)
     if _kind(values) == "list":
-        return _backend(engine).microbatch_mean(values, None, nonfinite=nonfinite)
-    convert = _Converter(engine, None, values)
-    means = _backend(engine).microbatch_mean(
-        convert.array_to_backend(values), convert.array_to_backend(present), nonfinite=nonfinite
-    )
-    return convert.values_back(means)
+        return acc._mean_of_lists(values)
+    acc.update(values, present)
+    return acc.result()
+
+
+def owner_sum_rows(
+    rows: Sequence[Sequence[object]], *, engine: str = "auto", nonfinite: str = "propagate"
+) -> list[list[object]]:
+    """Owner-only shard reduction over the reference's rows, on any engine, with the reference's answer.
+
+    Args:
+        rows: ``(shard_id, worker_id, owner_id, gradient)`` rows, as for
+            :func:`gradagg.reference.owner_sum`.
+        engine: ``"auto"`` and ``"python"`` run the reference on the rows
+            themselves; ``"numpy"`` and ``"torch"`` turn them into columns
+            once (:mod:`gradagg.backends._rows`) and run that backend.
+        nonfinite: ``"propagate"`` or ``"raise"``.
+
+    Returns:
+        ``[[shard_id, total], ...]`` sorted by shard, equal to the reference's:
+        a total is an exact ``int`` where all its counted gradients are ints
+        (element by element for vectors), else a float summed in row order.
+
+    Raises:
+        GradaggError: every input the reference refuses, with the reference's
+            message; on numpy/torch also what they cannot hold exactly (ints
+            beyond int64, ints above 2**53 mixed with floats in one shard,
+            vectors of several lengths), saying so and naming the row or shard.
+
+    >>> owner_sum_rows([["x", "a", "a", 1], ["y", "a", "a", 0.5], ["x", "a", "a", 2**53 + 1]], engine="numpy")
+    [['x', 9007199254740994], ['y', 0.5]]
+    """
+    engine, nonfinite = check_engine(engine), check_nonfinite(nonfinite)
+    if engine in ("auto", "python"):
+        return reference.owner_sum(rows, nonfinite=nonfinite)
+
+    def run(shards: Any, workers: Any, owners: Any, gradients: Any) -> tuple[list[Any], list[Any]]:
+        s, t = owner_sum_columns(shards, workers, owners, gradients, engine=engine, nonfinite=nonfinite)
+        return python_values(s), python_values(t)
+
+    try:
+        return _import("gradagg.backends._rows").owner_sum(rows, run)  # type: ignore[no-any-return]
+    except GradaggError:
+        reference.owner_sum(rows, nonfinite=nonfinite)  # the reference's own message, when it refuses the rows too
+        raise
+
+
+def microbatch_mean_rows(
+    rows: Sequence[Sequence[object]],
+    active_counts: Sequence[int] | None = None,
+    *,
+    engine: str = "auto",
+    nonfinite: str = "propagate",
+) -> list[float]:
+    """The microbatch mean over the reference's rows (``None`` = absent), on any engine, with its answer.
+
+    Args:
+        rows: M microbatches of P numbers or ``None``, as for
+            :func:`gradagg.reference.microbatch_mean`.
+        active_counts: participation counters, checked as the reference
+            checks them; never a divisor.
+        engine: ``"auto"`` and ``"python"`` run the reference; ``"numpy"`` and
+            ``"torch"`` turn the rows into ``(M, P)`` values and a ``present``
+            mask once.
+        nonfinite: ``"propagate"`` or ``"raise"``.
+
+    Returns:
+        P floats ``sum_i (rows[i][j] or 0) / M``, equal to the reference's.
+
+    Raises:
+        GradaggError: every input the reference refuses, with its message; on
+            numpy/torch also integers a float64 sum would round.
+
+    >>> microbatch_mean_rows([[2, None], [4, 6]], [1, 2], engine="numpy")
+    [3.0, 3.0]
+    """
+    engine, nonfinite = check_engine(engine), check_nonfinite(nonfinite)
+    if engine in ("auto", "python"):
+        return reference.microbatch_mean(rows, active_counts, nonfinite=nonfinite)
+    reference.microbatch_mean([], active_counts)  # the counters' check, the reference's own (never a divisor)
+
+    def run(values: Any, present: Any) -> list[Any]:
+        return python_values(microbatch_mean_columns(values, present, engine=engine, nonfinite=nonfinite))
+
+    try:
+        return _import("gradagg.backends._rows").microbatch_mean(rows, run)  # type: ignore[no-any-return]
+    except GradaggError:
+        reference.microbatch_mean(rows, active_counts, nonfinite=nonfinite)
+        raise
+
+
+def owner_sum_batches(
+    batches: Iterable[tuple[Any, Any, Any, Any]], *, engine: str = "auto", nonfinite: str = "propagate"
+) -> tuple[Any, Any]:
+    """Owner-only shard reduction over batches of four columns (e.g. a Parquet file's record batches).
+
+    Args:
+        batches: ``(shard_ids, worker_ids, owner_ids, gradients)`` tuples, as
+            for :func:`owner_sum_columns`, consumed one at a time.
+        engine: as for :func:`owner_sum_columns` (``"auto"`` resolved on the first batch).
+        nonfinite: ``"propagate"`` or ``"raise"``; rows are numbered from the first batch's first row.
+
+    Returns:
+        ``(shards, totals)`` over every row of every batch, as one call on their concatenation.
+
+    Raises:
+        GradaggError: as for :func:`owner_sum_columns`, and whatever ``batches`` raises.
+
+    >>> import numpy as np
+    >>> one = (np.array([1]), np.array([0]), np.array([0]), np.array([2]))
+    >>> [a.tolist() for a in owner_sum_batches([one, one])]
+    [[1], [4]]
+    """
+    acc = OwnerSumAccumulator(engine=engine, nonfinite=nonfinite)
+    for columns in batches:
+        acc.update(*columns)
+    return acc.result()
+
+
+def microbatch_mean_batches(
+    batches: Iterable[tuple[Any, Any]], *, engine: str = "auto", nonfinite: str = "propagate"
+) -> Any:
+    """The mean over batches of *parameters*: each ``(values, present)`` holds every microbatch of some parameters.
+
+    This is how a Parquet mean file streams (one row per parameter): a batch
+    of parameters is complete in itself, so each is reduced on its own and the
+    means are concatenated; every batch has the same M, the divisor.
+
+    Args:
+        batches: ``(values, present)`` pairs of shape ``(M, p_k)``, as for
+            :func:`microbatch_mean_columns`.
+        engine: as for :func:`microbatch_mean_columns`.
+        nonfinite: ``"propagate"`` or ``"raise"``; parameters are numbered across batches.
+
+    Returns:
+        The float64 means of all parameters, in order, as one array (NumPy, or torch for tensors).
+
+    Raises:
+        GradaggError: as for :func:`microbatch_mean_columns`; batches with different M.
+
+    >>> import numpy as np
+    >>> microbatch_mean_batches([(np.array([[1.0], [3.0]]), None), (np.array([[2.0], [4.0]]), None)]).tolist()
+    [2.0, 3.0]
+    """
+    parts: list[Any] = []
+    route: _Route | None = None
+    count, m = 0, None
+    for values, present in batches:
+        route = route or _Route(engine, None, values)
+        if m is not None and len(values) != m:
+            raise GradaggError(f"parameter {count}: a batch of {len(values)} microbatches after batches of {m}")
+        m = len(values)
+        parts.append(route.backend.microbatch_mean(
+            route.numbers_in(values), route.numbers_in(present), nonfinite=check_nonfinite(nonfinite),
+            parameter_offset=count,
+        ))
+        count += values.shape[1]
+    route = route or _Route(engine, None, [])
+    return route.values_out(route.concatenate(parts))
 
 
 class _BatchFed:
-    """What both accumulators share: the options, and the backend resolved on the first batch."""
+    """What both accumulators share: the options, and the route (backend, conversions) set on the first batch."""
 
     def __init__(self, *, engine: str = "auto", nonfinite: str = "propagate") -> None:
-        _check_options(engine, nonfinite)
-        self._engine = engine
-        self._nonfinite = nonfinite
+        self._engine = check_engine(engine)
+        self._nonfinite = check_nonfinite(nonfinite)
+        self._route: _Route | None = None
         self._impl: Any = None
-        self._convert: _Converter | None = None
 
     @property
     def engine(self) -> str | None:
         """The engine in use: resolved on the first batch, ``None`` before it."""
-        return None if self._impl is None else self._engine
+        return None if self._route is None else self._route.name
 
 
 class OwnerSumAccumulator(_BatchFed):
     """Owner-only shard reduction fed in batches of rows.
 
-    Memory grows with the number of distinct shards (and, for small-range
-    integer ids, with their range), not with the rows fed. Summation order:
-    each shard's total is built by adding its owner gradients one at a time in
-    the order the rows were fed, across all ``update`` calls, so the result is
-    the same as one :func:`owner_sum_columns` call on the concatenated batches
-    (bit-identical for the numpy engine and torch on CPU; see the module notes
-    for CUDA). The ``"python"`` engine keeps every row (it is the oracle).
+    Each shard's total adds its owner gradients one at a time in the order
+    rows were fed, across ``update`` calls: the result is that of one
+    :func:`owner_sum_columns` call on the concatenated batches (bit for bit on
+    CPU). Memory grows with the distinct shards, except on ``"python"``, which
+    keeps every row (it is the oracle).
 
     Args:
-        engine: as for :func:`owner_sum_columns`; ``"auto"`` is resolved on
-            the first batch.
-        nonfinite: ``"propagate"`` or ``"raise"``; row numbers in messages
-            count from the first row of the first batch.
+        engine: as for :func:`owner_sum_columns`; ``"auto"`` is resolved on the first batch.
+        nonfinite: ``"propagate"`` or ``"raise"``; rows are numbered from the first batch's first row.
 
     >>> import numpy as np
     >>> acc = OwnerSumAccumulator()
@@ -216,46 +330,39 @@ class OwnerSumAccumulator(_BatchFed):
             gradients: as for :func:`owner_sum_columns`.
 
         Raises:
-            GradaggError: as for :func:`owner_sum_columns`; also a batch whose
-                id type or gradient shape differs from earlier batches.
+            GradaggError: as for :func:`owner_sum_columns`; also a batch whose id
+                type or gradient shape differs from earlier batches.
         """
-        for columns in _owner_columns(shard_ids, worker_ids, owner_ids, gradients):
-            if self._impl is None:
-                self._start(columns)
-            assert self._convert is not None  # set by _start; for mypy
-            self._impl.update(*self._convert.to_backend(columns))
+        for shards, workers, owners, grads in _owner_columns(shard_ids, worker_ids, owner_ids, gradients):
+            if self._route is None:
+                self._route = _Route(self._engine, shards, grads)
+                self._impl = self._route.backend.OwnerSumAccumulator(nonfinite=self._nonfinite)
+            r = self._route
+            self._impl.update(r.ids_in(shards), r.ids_in(workers), r.ids_in(owners), r.numbers_in(grads))
 
     def result(self) -> tuple[Any, Any]:
-        """Return ``(shards, totals)`` over every row fed so far (sorted shards).
+        """Return ``(shards, totals)`` over every row fed so far (shards sorted).
 
         Returns:
             As for :func:`owner_sum_columns`; empty arrays before any batch.
         """
-        if self._impl is None:
-            self._start(_empty_owner_columns())
-        assert self._convert is not None
+        if self._route is None:
+            self.update([], [], [], [])
+        assert self._route is not None  # set by update; for mypy
         shards, totals = self._impl.result()
-        return self._convert.shards_back(shards), self._convert.values_back(totals)
-
-    def _start(self, columns: tuple[Any, Any, Any, Any]) -> None:
-        self._engine = resolve_engine(self._engine, columns[3])
-        self._convert = _Converter(self._engine, columns[0], columns[3])
-        self._impl = _backend(self._engine).OwnerSumAccumulator(nonfinite=self._nonfinite)
+        return self._route.ids_out(shards), self._route.values_out(totals)
 
 
 class MicrobatchMeanAccumulator(_BatchFed):
     """The microbatch mean fed a few microbatches at a time.
 
-    Keeps one float64 sum per parameter (memory O(P)) and the count M of
-    microbatches fed; ``result()`` divides by that M, never by participation.
-    For input split by *parameters* instead (e.g. row groups of P), each chunk
-    is independent: call :func:`microbatch_mean_columns` per chunk and
-    concatenate.
+    Keeps one float64 sum per parameter and the count M of microbatches fed;
+    ``result()`` divides by that M, never by participation. For input split by
+    parameters instead, see :func:`microbatch_mean_batches`.
 
     Args:
         engine: as for :func:`microbatch_mean_columns`.
-        nonfinite: ``"propagate"`` or ``"raise"``; microbatch numbers in
-            messages count across updates.
+        nonfinite: ``"propagate"`` or ``"raise"``; microbatches are numbered across updates.
 
     >>> import numpy as np
     >>> acc = MicrobatchMeanAccumulator()
@@ -269,7 +376,7 @@ class MicrobatchMeanAccumulator(_BatchFed):
         """Feed k microbatches: ``values`` of shape ``(k, P)`` and their ``present`` mask.
 
         Args:
-            values: an ``(k, P)`` array or tensor, or an Arrow table whose k
+            values: a ``(k, P)`` array or tensor, or an Arrow table whose k
                 columns are microbatches (nulls absent).
             present: ``(k, P)`` booleans, True where present; ``None`` = all.
 
@@ -278,12 +385,11 @@ class MicrobatchMeanAccumulator(_BatchFed):
                 whose P differs from earlier batches.
         """
         if _kind(values) == "arrow":
-            values, present = _arrow_module().microbatch_columns(values)
-        if self._impl is None:
-            self._impl = self._backend_for(values).MicrobatchMeanAccumulator(nonfinite=self._nonfinite)
-            self._convert = _Converter(self._engine, None, values)
-        assert self._convert is not None
-        self._impl.update(self._convert.array_to_backend(values), self._convert.array_to_backend(present))
+            values, present = _import("gradagg.formats.arrow").microbatch_columns(values)
+        if self._route is None:
+            self._route = _Route(self._engine, None, values)
+            self._impl = self._route.backend.MicrobatchMeanAccumulator(nonfinite=self._nonfinite)
+        self._impl.update(self._route.numbers_in(values), self._route.numbers_in(present))
 
     def result(self) -> Any:
         """Return the ``(P,)`` float64 means over the microbatches fed (empty before any).
@@ -291,14 +397,35 @@ class MicrobatchMeanAccumulator(_BatchFed):
         Returns:
             As for :func:`microbatch_mean_columns`.
         """
-        if self._impl is None:
-            return _backend(resolve_engine(self._engine, [])).MicrobatchMeanAccumulator().result()
-        assert self._convert is not None
-        return self._convert.values_back(self._impl.result())
+        if self._route is None:
+            self._route = _Route(self._engine, None, [])
+            self._impl = self._route.backend.MicrobatchMeanAccumulator(nonfinite=self._nonfinite)
+        return self._route.values_out(self._impl.result())
 
-    def _backend_for(self, values: Any) -> Any:
-        self._engine = resolve_engine(self._engine, _first_item(values))
-        return _backend(self._engine)
+    def _mean_of_lists(self, rows: Any) -> list[Any]:
+        """The list-of-lists form of :func:`microbatch_mean_columns` (one call, not fed in batches)."""
+        self._route = route = _Route(self._engine, None, _first_item(rows))
+        items = [[None if v is None else route.numbers_in(v) for v in row] for row in rows]
+        means = route.backend.microbatch_mean(items, None, nonfinite=self._nonfinite)
+        return [route.values_out(m) for m in means]
+
+
+def python_values(x: Any) -> list[Any]:
+    """Plain Python numbers and strings from a NumPy array, a torch tensor (any device) or a list.
+
+    Args:
+        x: a result of this module (shards, totals or means).
+
+    Returns:
+        A (nested) list of ``int``, ``float`` and ``str``, as JSON and CSV writers want.
+
+    >>> import numpy as np
+    >>> python_values(np.array([1.5, 2.0], dtype=np.float32)), python_values(["a"])
+    ([1.5, 2.0], ['a'])
+    """
+    if _kind(x) == "torch":
+        x = x.detach().cpu()
+    return x.tolist() if hasattr(x, "tolist") else list(x)  # type: ignore[no-any-return]
 
 
 def available_engines() -> tuple[str, ...]:
@@ -310,18 +437,14 @@ def available_engines() -> tuple[str, ...]:
     >>> "python" in available_engines()
     True
     """
-    names = ["python"]
-    for name in ("numpy", "torch"):
-        if _importable(name):
-            names.append(name)
-    return tuple(names)
+    return ("python", *(name for name in ("numpy", "torch") if _importable(name)))
 
 
 def resolve_engine(engine: str, sample: Any) -> str:
-    """Turn ``engine`` (maybe ``"auto"``) into the backend that will run ``sample``.
+    """Turn ``engine`` (maybe ``"auto"``) into the engine that will run ``sample``.
 
     Args:
-        engine: one of :data:`ENGINES`.
+        engine: one of :data:`gradagg.options.ENGINES`.
         sample: the gradients column (or values), whose kind decides ``"auto"``.
 
     Returns:
@@ -333,9 +456,7 @@ def resolve_engine(engine: str, sample: Any) -> str:
     >>> resolve_engine("python", [1.0])
     'python'
     """
-    if engine not in ENGINES:
-        raise GradaggError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if engine == "auto":
+    if check_engine(engine) == "auto":
         if _kind(sample) == "torch":
             return "torch"
         return "numpy" if _importable("numpy") else "python"
@@ -344,7 +465,76 @@ def resolve_engine(engine: str, sample: Any) -> str:
     return engine
 
 
-# --- inputs --------------------------------------------------------------------
+# --- backend choice and conversions: nothing else in gradagg does either --------------------------
+
+
+class _Route:
+    """The backend for a call and the conversions in and out of it, decided once from the first batch."""
+
+    def __init__(self, engine: str, ids_sample: Any, values_sample: Any) -> None:
+        self.name = resolve_engine(engine, values_sample)
+        self.ids_kind, self.values_kind = _kind(ids_sample), _kind(values_sample)
+        self.ids_device = ids_sample.device if self.ids_kind == "torch" else None
+        self.device = values_sample.device if self.values_kind == "torch" else None
+        on_cpu = self.device is None or self.device.type == "cpu"
+        self.backend_name = "numpy" if self.name == "torch" and on_cpu and _cpu_tensors_via_numpy() else self.name
+        self.backend = _import(f"gradagg.backends.{self.backend_name}")
+
+    def ids_in(self, x: Any) -> Any:
+        """Ids for the backend: NumPy for numpy (torch viewed without a copy on CPU); else as given."""
+        return _numpy_of(x) if self.backend_name == "numpy" and _kind(x) == "torch" else x
+
+    def numbers_in(self, x: Any) -> Any:
+        """Gradients, values or masks in the backend's array kind (``None`` stays ``None``)."""
+        if x is None or self.backend_name == "python":
+            return x
+        if self.backend_name == "numpy":
+            return _numpy_of(x) if _kind(x) == "torch" else x
+        return x if _kind(x) == "torch" else _tensor_of(x, self.device)
+
+    def ids_out(self, shards: Any) -> Any:
+        """Integer shards as the shard ids came (tensor or NumPy); string shards stay NumPy objects."""
+        if self.ids_kind == "torch" and _kind(shards) == "numpy" and shards.dtype.kind in "iu":
+            return _tensor_of(shards, self.ids_device)
+        return _numpy_of(shards) if self.ids_kind != "torch" and _kind(shards) == "torch" else shards
+
+    def values_out(self, values: Any) -> Any:
+        """Totals or means as the gradients came: a tensor on their device, or NumPy."""
+        if self.values_kind == "torch" and _kind(values) == "numpy":
+            return _tensor_of(values, self.device)
+        return _numpy_of(values) if self.values_kind != "torch" and _kind(values) == "torch" else values
+
+    def concatenate(self, parts: list[Any]) -> Any:
+        if parts and _kind(parts[0]) == "torch":
+            return _import("torch").cat(parts)
+        np = _import("numpy")
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.float64)
+
+
+def _cpu_tensors_via_numpy() -> bool:
+    if CPU_TENSORS_VIA_NUMPY is not None:
+        return CPU_TENSORS_VIA_NUMPY
+    return bool(_import("gradagg.backends._kernels").AVAILABLE)
+
+
+def _numpy_of(t: Any) -> Any:
+    """A NumPy array of a tensor: a zero-copy view on CPU, a host copy otherwise."""
+    return t.detach().cpu().numpy() if _kind(t) == "torch" else t
+
+
+def _tensor_of(x: Any, device: Any) -> Any:
+    """A tensor of NumPy or Python numbers, checked first (bools, strings, beyond int64) by the NumPy checks."""
+    torch, np, checks = _import("torch"), _import("numpy"), _import("gradagg.backends._checks")
+    if isinstance(x, np.ndarray):
+        x = x if x.dtype.kind in "biuf" else checks.widen(x, "values")
+    elif not (len(x) and all(isinstance(v, bool) for v in x)):  # a list of bools is a mask; else numbers
+        x = checks.as_gradients(x, "values")
+    else:
+        x = np.array(x, dtype=bool)
+    if not x.flags.writeable or not x.flags.c_contiguous:  # torch.from_numpy wants writable, contiguous memory
+        x = np.array(x)
+    t = torch.from_numpy(x)
+    return t if device is None else t.to(device)
 
 
 def _kind(x: Any) -> str:
@@ -352,15 +542,11 @@ def _kind(x: Any) -> str:
     root = type(x).__module__.split(".")[0]
     if root in ("torch", "numpy", "pyarrow"):
         return {"pyarrow": "arrow"}.get(root, root)
-    if isinstance(x, (list, tuple)):
-        return "list"
-    return "other"
+    return "list" if isinstance(x, (list, tuple)) else "other"
 
 
 def _first_item(values: Any) -> Any:
     """The first non-None leaf of a list-of-lists input (its kind decides ``auto``)."""
-    if _kind(values) != "list":
-        return values
     for row in values:
         for item in row if isinstance(row, (list, tuple)) else [row]:
             if item is not None:
@@ -373,7 +559,7 @@ def _owner_columns(shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: A
     if _kind(shard_ids) == "arrow":
         if not (worker_ids is None and owner_ids is None and gradients is None):
             raise GradaggError("pass an Arrow table alone: owner_sum_columns(table), not with other columns")
-        yield from _arrow_module().owner_columns(shard_ids)
+        yield from _import("gradagg.formats.arrow").owner_columns(shard_ids)
         return
     named = (("worker_ids", worker_ids), ("owner_ids", owner_ids), ("gradients", gradients))
     missing = [name for name, column in named if column is None]
@@ -382,75 +568,34 @@ def _owner_columns(shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: A
     yield shard_ids, worker_ids, owner_ids, gradients
 
 
-def _empty_owner_columns() -> tuple[Any, Any, Any, Any]:
-    return [], [], [], []
-
-
-def _check_options(engine: str, nonfinite: str) -> None:
-    if engine not in ENGINES:
-        raise GradaggError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if nonfinite not in _NONFINITE:
-        raise GradaggError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
-
-
-class _Converter:
-    """Moves columns into the chosen backend's array kind and results back to the input's kind."""
-
-    def __init__(self, engine: str, shard_sample: Any, value_sample: Any) -> None:
-        self.engine = engine
-        self.shard_kind = _kind(shard_sample)
-        self.value_kind = _kind(value_sample)
-        self.device = getattr(value_sample, "device", None) if self.value_kind == "torch" else None
-
-    def to_backend(self, columns: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(self.array_to_backend(c) for c in columns)
-
-    def array_to_backend(self, x: Any) -> Any:
-        if x is None or self.engine == "python":
-            return x
-        kind = _kind(x)
-        if self.engine == "numpy" and kind == "torch":
-            return x.detach().cpu().numpy()
-        if self.engine == "torch" and kind in ("numpy", "list"):
-            return _torch_backend().as_tensor(x)
-        return x
-
-    def shards_back(self, shards: Any) -> Any:
-        return self._back(shards, self.shard_kind)
-
-    def values_back(self, values: Any) -> Any:
-        return self._back(values, self.value_kind)
-
-    def _back(self, x: Any, kind: str) -> Any:
-        have = _kind(x)
-        if kind == "torch" and have != "torch":
-            return _torch_backend().as_tensor(x, device=self.device)
-        if kind != "torch" and have == "torch":
-            return x.cpu().numpy()
-        return x
-
-
-# --- backends --------------------------------------------------------------------
-
-
-def _backend(engine: str) -> Any:
-    """Import and return the backend module for a resolved engine name."""
+def _import(name: str) -> Any:
     import importlib
 
-    return importlib.import_module(f"gradagg.backends.{engine}")
-
-
-def _torch_backend() -> Any:
-    return _backend("torch")
-
-
-def _arrow_module() -> Any:
-    import importlib
-
-    return importlib.import_module("gradagg.formats.arrow")
+    return importlib.import_module(name)
 
 
 def _importable(name: str) -> bool:
+    import sys
+
+    if name in sys.modules:  # the common case (NumPy arrays in hand): no search of the path
+        return True
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+__all__ = [
+    "CPU_TENSORS_VIA_NUMPY",
+    "ENGINES",
+    "MicrobatchMeanAccumulator",
+    "OwnerSumAccumulator",
+    "available_engines",
+    "microbatch_mean_batches",
+    "microbatch_mean_columns",
+    "microbatch_mean_rows",
+    "owner_sum_batches",
+    "owner_sum_columns",
+    "owner_sum_rows",
+    "python_values",
+    "resolve_engine",
+]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import torch
+from gradagg import engine as engine_module
 from gradagg import mutants, reference
-from gradagg.backends import numpy as numpy_backend
-from gradagg.backends import torch as torch_backend
+from gradagg.backends import _kernels
 from gradagg.engine import MicrobatchMeanAccumulator, microbatch_mean_columns
 from gradagg.errors import GradientShapeError, GradientTypeError, NonFiniteGradientError, RowShapeError
 
@@ -26,9 +26,9 @@ IMPLS = ["numpy", "numpy-no-numba", "torch", "torch-ops", "python"]
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     name = request.param
     if name == "numpy-no-numba":
-        monkeypatch.setattr(numpy_backend, "USE_KERNELS", False)
+        monkeypatch.setattr(_kernels, "ENABLED", False)
     if name == "torch-ops":
-        monkeypatch.setattr(torch_backend, "CPU_VIA_NUMPY", False)
+        monkeypatch.setattr(engine_module, "CPU_TENSORS_VIA_NUMPY", False)
     yield name
 
 

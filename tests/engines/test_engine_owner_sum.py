@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import torch
+from gradagg import engine as engine_module
 from gradagg import mutants, reference
-from gradagg.backends import numpy as numpy_backend
-from gradagg.backends import torch as torch_backend
+from gradagg.backends import _kernels, _tables
 from gradagg.engine import OwnerSumAccumulator, owner_sum_columns
 from gradagg.errors import GradaggError, NonFiniteGradientError
 
@@ -30,9 +30,9 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     """Each engine, and each engine's second path (no numba; torch ops on CPU)."""
     name = request.param
     if name == "numpy-no-numba":
-        monkeypatch.setattr(numpy_backend, "USE_KERNELS", False)
+        monkeypatch.setattr(_kernels, "ENABLED", False)
     if name == "torch-ops":
-        monkeypatch.setattr(torch_backend, "CPU_VIA_NUMPY", False)
+        monkeypatch.setattr(engine_module, "CPU_TENSORS_VIA_NUMPY", False)
     yield name
 
 
@@ -188,7 +188,7 @@ def test_accumulator_in_batches_equals_one_shot(impl: str, ids: str) -> None:
 
 def test_accumulator_grows_and_leaves_the_dense_table(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ids that grow the range downward, upward and then past the dense limit keep every total exact."""
-    monkeypatch.setattr(numpy_backend, "DENSE_LIMIT", 4096)
+    monkeypatch.setattr(_tables, "DENSE_LIMIT", 4096)
     rng = np.random.default_rng(11)
     shard = np.concatenate([rng.integers(500, 600, 50), rng.integers(-3000, 0, 50), rng.integers(0, 10**9, 50)])
     columns = (shard, np.zeros(150, np.int64), np.zeros(150, np.int64), rng.standard_normal(150) * 1e3)
@@ -221,8 +221,8 @@ def test_two_core_split_keeps_row_order(monkeypatch: pytest.MonkeyPatch, late_id
     reference's bits when later ids stay in range, grow the table, or leave the
     dense range altogether (the sorted table then takes the remaining rows).
     """
-    monkeypatch.setattr(numpy_backend, "_CHUNK", 64)
-    monkeypatch.setattr(numpy_backend, "DENSE_LIMIT", 1 << 16)
+    monkeypatch.setattr(_tables, "CHUNK", 64)
+    monkeypatch.setattr(_tables, "DENSE_LIMIT", 1 << 16)
     shard, worker, owner, grad = random_columns(8, 2000, "dense", "f64")
     if late_ids == "growing":
         shard[1500:] += 40_000
@@ -235,6 +235,6 @@ def test_two_core_split_keeps_row_order(monkeypatch: pytest.MonkeyPatch, late_id
 @pytest.mark.parametrize("ids", ["dense", "sparse"])
 def test_vector_components_split_between_threads(monkeypatch: pytest.MonkeyPatch, ids: str) -> None:
     """Big vector batches sum half the components on a second thread: still the reference's bits."""
-    monkeypatch.setattr(numpy_backend, "SPLIT_MIN", 0)
+    monkeypatch.setattr(_tables, "SPLIT_MIN", 0)
     columns = random_columns(9, 500, ids, "vec32")
     assert_same(run("numpy", columns), reference_of(columns), ids)

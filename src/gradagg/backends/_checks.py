@@ -1,4 +1,4 @@
-"""Input checks for columnar input, on NumPy arrays (shared by the backends).
+"""Input checks for columnar input, on NumPy arrays (shared by the backends), and the one NaN locator.
 
 Every check raises a :class:`~gradagg.errors.GradaggError` subclass whose
 message names the column, the row (counted from the first row ever fed to an
@@ -7,6 +7,7 @@ accumulator, via ``offset``) and the values at fault.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -19,20 +20,28 @@ from gradagg.errors import (
     IdError,
     NonFiniteGradientError,
     RowShapeError,
+    short_repr,
 )
 
 Array = NDArray[Any]
-_INT64_MAX = 2**63 - 1
-
-
-def check_nonfinite_option(nonfinite: str) -> None:
-    """Reject anything but the two documented ``nonfinite`` policies."""
-    if nonfinite not in ("propagate", "raise"):
-        raise GradaggError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_EXACT = 2**53  # integers, and sums of integers, up to this magnitude are exact in float64
+_USE_PYTHON = "use engine='python' (the reference), which sums Python integers exactly"
 
 
 def as_ids(name: str, x: Any, offset: int = 0) -> tuple[Array, str]:
-    """Return ``(ids, kind)``: an int64/int32 or unicode array and ``"int"`` or ``"str"``."""
+    """Return ``(ids, kind)``: ``"int"`` for an integer array; ``"str"`` or ``"object"`` for ids held as Python keys.
+
+    ``"str"``: a ``<U`` array as given, or an object array of the Python strings
+    themselves (``<U`` drops trailing NULs: ``"a"`` and ``"a\\0"`` would be one
+    id). ``"object"``: an object array of Python ints and strings, as the
+    reference allows them, e.g. ints beyond int64 or a column mixing both (only
+    the shards that are counted must be mutually orderable).
+    """
+    if is_dictionary_ids(x):  # indices into distinct ids (the Arrow adapter's string columns)
+        if set(map(type, x.values.tolist())) <= {str}:
+            return x, "str"
+        x = x.tolist()
     a = x if isinstance(x, np.ndarray) else _object_array(x)
     if a.ndim != 1:
         raise RowShapeError(f"{name} must be one-dimensional (one id per row), got shape {a.shape}")
@@ -42,9 +51,8 @@ def as_ids(name: str, x: Any, offset: int = 0) -> tuple[Array, str]:
     if kind == "i":
         return a, "int"
     if kind == "u":
-        if a.size and int(a.max()) > _INT64_MAX:
-            row = int(a.argmax())
-            raise IdError(f"row {offset + row}: {name} is {int(a[row])}, beyond int64")
+        if a.size and int(a.max()) > INT64_MAX:
+            return _object_array(a.tolist()), "object"  # exact Python ints beyond int64
         return a.astype(np.int64), "int"
     if kind == "O":
         return _object_ids(name, a, offset)
@@ -52,7 +60,12 @@ def as_ids(name: str, x: Any, offset: int = 0) -> tuple[Array, str]:
     raise IdError(f"{name} must hold int or str ids, got a {what} column (dtype {a.dtype})")
 
 
-def _object_array(x: Any) -> Array:
+def is_dictionary_ids(x: Any) -> bool:
+    """Whether ``x`` is a dictionary-encoded id column: integer ``indices`` into an object array of ``values``."""
+    return isinstance(getattr(x, "indices", None), np.ndarray) and isinstance(getattr(x, "values", None), np.ndarray)
+
+
+def _object_array(x: Iterable[Any]) -> Array:
     """A 1-D object array of a Python sequence, without NumPy's silent int -> str coercion."""
     items = list(x)
     a = np.empty(len(items), dtype=object)
@@ -61,32 +74,49 @@ def _object_array(x: Any) -> Array:
 
 
 def _object_ids(name: str, a: Array, offset: int) -> tuple[Array, str]:
-    if not a.size:
-        return np.empty(0, dtype=np.int64), "int"
-    types = {type(v) for v in a.tolist()}
-    if types <= {str}:
-        return a.astype(str), "str"
-    if types <= {int}:
-        if any(v > _INT64_MAX or v < -_INT64_MAX - 1 for v in a.tolist()):
-            raise IdError(f"{name} holds ids beyond int64")
-        return a.astype(np.int64), "int"
     values = a.tolist()
+    types = set(map(type, values))
+    if not values:
+        return np.empty(0, dtype=np.int64), "int"
+    if types <= {str}:
+        return a, "str"
+    if types <= {int}:
+        if all(INT64_MIN <= v <= INT64_MAX for v in values):
+            return np.array(values, dtype=np.int64), "int"
+        return a, "object"
     for r, v in enumerate(values):
         if v is None:
             raise IdError(f"row {offset + r}: {name} is missing (None); every row needs a shard, worker and owner id")
         if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise IdError(f"row {offset + r}: {name} must be an int or a string, got {type(v).__name__} {v!r}")
-    i = next(r for r, v in enumerate(values) if isinstance(v, int))
-    s = next(r for r, v in enumerate(values) if isinstance(v, str))
-    raise IdError(
-        f"{name} mixes int and str ids ({values[i]!r} at row {offset + i}, {values[s]!r} at row {offset + s}); "
-        "use one id type per column"
-    )
+            raise IdError(
+                f"row {offset + r}: {name} must be an int or a string, got {type(v).__name__} {short_repr(v)}"
+            )
+    # int and str subclasses become plain ints and strings, which is how the reference compares them.
+    plain = _object_array(str(v) if isinstance(v, str) else int(v) for v in values)
+    if all(isinstance(v, str) for v in values):
+        return plain, "str"
+    return _object_ids(name, plain, offset) if all(isinstance(v, int) for v in values) else (plain, "object")
+
+
+def owner_rows(workers: Array, worker_kind: str, owners: Array, owner_kind: str) -> Array:
+    """The boolean owner-row mask ``worker == owner``, compared as Python compares the ids.
+
+    Two integer arrays compare as integers; anything else as Python objects
+    (exact for strings with NULs, ints beyond int64, an int never equal to a str).
+
+    >>> owner_rows(np.array(["w", "w\\0"], dtype=object), "str", np.array(["w", "w"], dtype=object), "str").tolist()
+    [True, False]
+    """
+    fixed = isinstance(workers, np.ndarray) and workers.dtype.kind == owners.dtype.kind == "U"
+    if worker_kind == owner_kind == "int" or fixed:  # (two <U arrays: neither can hold a trailing NUL)
+        same: Array = np.equal(workers, owners)
+        return same
+    return np.asarray(workers.astype(object) == owners.astype(object), dtype=bool)
 
 
 def as_gradients(x: Any, name: str = "gradients") -> Array:
     """Return an ``(N,)`` or ``(N, D)`` int64, float32 or float64 array (other dtypes widened)."""
-    a = x if isinstance(x, np.ndarray) else _numeric_array(x, name)
+    a = x if isinstance(x, np.ndarray) else numbers_array(list(x), name)
     if a.ndim not in (1, 2):
         raise GradientShapeError(f"{name} must have shape (N,) or (N, D), got shape {a.shape} (ndim {a.ndim})")
     return widen(a, name)
@@ -102,24 +132,53 @@ def widen(a: Array, name: str) -> Array:
     if kind == "i":
         return a if a.dtype == np.int64 else a.astype(np.int64)
     if kind == "u":
-        if a.size and int(a.max()) > _INT64_MAX:
-            raise GradaggError(f"{name} hold values beyond int64 (max {int(a.max())}); use engine='python'")
+        if a.size and int(a.max()) > INT64_MAX:
+            raise GradaggError(f"{name} hold values beyond int64 (max {int(a.max())}); {_USE_PYTHON}")
         return a.astype(np.int64)
     if kind == "O":
-        return widen(_numeric_array(a.tolist(), name), name)
+        return numbers_array(a.tolist(), name)
     raise GradientTypeError(f"{name} must be integers or floats, got dtype {a.dtype}")
 
 
-def _numeric_array(x: Any, name: str) -> Array:
-    items = list(x)
-    for r, v in enumerate(items):
-        bad = isinstance(v, bool) or not isinstance(v, (int, float, list, tuple, np.number))
-        if bad or (isinstance(v, (list, tuple)) and any(isinstance(e, bool) or not _is_number(e) for e in v)):
-            raise GradientTypeError(f"row {r}: {name} must be numbers or lists of numbers, got {v!r}")
+def numbers_array(items: list[Any], name: str) -> Array:
+    """Python numbers (or equal-length lists of them) as one int64 or float64 array, never silently rounded.
+
+    All ints: int64 (beyond int64 is an error naming the row). Any float: float64,
+    which is exact for the ints only while they sum to at most 2**53 in
+    magnitude; beyond that the ints would be rounded, so it is an error.
+    """
+    items = [_checked_row(r, v, name) for r, v in enumerate(items)]
+    values = [x for row in items for x in (row if isinstance(row, list) else [row])]
+    ints = [v for v in values if isinstance(v, int)]
+    if len(ints) == len(values):
+        for k, v in enumerate(values):
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise GradaggError(f"{name}: {v} (value {k}) is beyond int64; {_USE_PYTHON}")
+        dtype: Any = np.int64
+    else:
+        if sum(map(abs, ints)) > _EXACT:
+            raise GradaggError(
+                f"{name} mix floats with integers summing to more than 2**53 in magnitude, which float64 would "
+                f"round; pass an int64 or float64 array, or {_USE_PYTHON}"
+            )
+        dtype = np.float64
     try:
-        return np.asarray(items) if items else np.empty(0, dtype=np.float64)
+        return np.array(items, dtype=dtype) if items else np.empty(0, dtype=np.float64)
     except ValueError:
-        raise GradientShapeError(f"{name}: vector gradients differ in length") from None
+        raise GradientShapeError(f"{name}: vector gradients differ in length, or mix scalars and vectors") from None
+
+
+def _checked_row(r: int, v: Any, name: str) -> Any:
+    if _is_number(v):
+        return _plain(v)
+    if isinstance(v, (list, tuple)) and all(_is_number(e) for e in v):
+        return [_plain(e) for e in v]
+    raise GradientTypeError(f"row {r}: {name} must be numbers or lists of numbers, got {short_repr(v)}")
+
+
+def _plain(v: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (np.int64 is not an int, np.float64 is a float)."""
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _is_number(v: object) -> bool:
@@ -133,42 +192,66 @@ def check_lengths(columns: dict[str, int]) -> None:
         raise RowShapeError(f"columns differ in length: {listed} rows")
 
 
-def check_same_id_kind(worker_kind: str, owner_kind: str) -> None:
-    """A worker id can only equal an owner id of the same type."""
-    if worker_kind != owner_kind:
-        raise IdError(
-            f"worker_ids are {worker_kind} but owner_ids are {owner_kind}: no row could ever be counted; "
-            "use one id type for both"
-        )
+def first_nonfinite(values: Array, counted: Array | None = None) -> tuple[int, ...] | None:
+    """The index of the first NaN or Inf among the counted values, in row-major order; None if there is none.
+
+    The one NaN locator of gradagg's arrays. ``counted`` masks rows (shape
+    ``values.shape[:1]``) or single values (``values.shape``); an uncounted
+    NaN, a replica's or an absent value's, is never found.
+
+    >>> first_nonfinite(np.array([[1.0, 2.0], [3.0, np.inf]]))
+    (1, 1)
+    >>> first_nonfinite(np.array([np.nan, 1.0]), counted=np.array([False, True])) is None
+    True
+    """
+    if values.dtype.kind != "f" or values.size == 0:
+        return None
+    bad = ~np.isfinite(values)
+    if counted is not None:
+        bad &= counted.reshape(counted.shape + (1,) * (bad.ndim - counted.ndim))
+    if not bad.any():
+        return None
+    return tuple(int(i) for i in np.unravel_index(int(bad.argmax()), bad.shape))
 
 
-def first_nonfinite(owned: Array, gradients: Array, shards: Array, offset: int) -> None:
-    """Raise NonFiniteGradientError for the first counted row holding NaN or Inf."""
-    if gradients.dtype.kind != "f":
-        return
-    bad = ~np.isfinite(gradients)
-    rows = bad.any(axis=1) if bad.ndim == 2 else bad
-    rows &= owned
-    if not rows.any():
-        return
-    r = int(rows.argmax())
-    at, value = ("", gradients[r]) if bad.ndim == 1 else (f" element {int(bad[r].argmax())}", gradients[r, bad[r]][0])
-    raise NonFiniteGradientError(
-        f"row {offset + r}: gradient of shard {shards[r].item()!r}{at} is {float(value)!r}; "
-        "NaN and Inf are values, not absence"
-    )
+def nonfinite_error(where: str, value: Any) -> NonFiniteGradientError:
+    """The error for a counted NaN or Inf: ``"<where> is nan; NaN and Inf are values, not absence"``."""
+    return NonFiniteGradientError(f"{where} is {float(value)!r}; NaN and Inf are values, not absence")
 
 
-def check_int_headroom(gradients: Array, owned_count: int, totals_absmax: int) -> None:
-    """Refuse integer input whose totals could overflow int64 (a conservative, cheap bound)."""
+def check_finite_values(values: Array, present: Array | None, offset: int, parameter_offset: int = 0) -> None:
+    """Raise for the first present NaN/Inf of ``(M, P)`` microbatch values, in microbatch-major order."""
+    found = first_nonfinite(values, present)
+    if found is not None:
+        i, j = found
+        raise nonfinite_error(f"microbatch {offset + i}, parameter {parameter_offset + j}", values[i, j])
+
+
+def check_int_headroom(gradients: Array, totals_absmax: int) -> None:
+    """Refuse counted integer gradients whose totals could overflow int64 (a cheap, safe bound)."""
     if gradients.dtype.kind != "i" or gradients.size == 0:
         return
-    biggest = max(abs(int(gradients.max())), abs(int(gradients.min())))
-    if biggest * owned_count + totals_absmax > _INT64_MAX:
+    magnitude = float(np.abs(gradients.astype(np.float64)).sum())  # float64: no wrap-around
+    bound = magnitude * (1 + gradients.size * 2.0**-52) + totals_absmax  # the float sum's own error, covered
+    if bound >= 2.0**63:
         raise GradaggError(
-            f"integer totals could overflow int64 (|gradient| up to {biggest} over {owned_count} counted rows); "
-            "use engine='python' for unbounded integers"
+            f"integer totals could overflow int64 (counted |gradients| sum to about {magnitude:.3g}, "
+            f"totals so far up to {totals_absmax}); {_USE_PYTHON}"
         )
+
+
+def exact_means(sums: Array, m: int) -> Array:
+    """``sums / m`` as float64, each as Python divides: int64 sums beyond 2**53 via Python's exact int / int.
+
+    >>> exact_means(np.array([2**53 + 2]), 3).tolist() == [(2**53 + 2) / 3]
+    True
+    """
+    means: Array = sums / m
+    if sums.dtype.kind == "i":  # below 2**53 an int64 is exact in float64, and IEEE division rounds correctly
+        flat, out = sums.reshape(-1), means.reshape(-1)
+        for k in np.flatnonzero(np.abs(flat) > _EXACT).tolist():
+            out[k] = int(flat[k]) / m
+    return means
 
 
 def as_values_and_mask(values: Any, present: Any) -> tuple[Array, Array | None]:
@@ -185,31 +268,3 @@ def as_values_and_mask(values: Any, present: Any) -> tuple[Array, Array | None]:
     if m.shape != v.shape:
         raise RowShapeError(f"present has shape {m.shape}, values have shape {v.shape}; they must match")
     return v, m
-
-
-def check_finite_values(v: Array, m: Array | None, offset: int) -> None:
-    """Raise NonFiniteGradientError at the first present NaN/Inf, in microbatch-major order."""
-    if v.dtype.kind != "f":
-        return
-    bad = ~np.isfinite(v)
-    if m is not None:
-        bad &= m
-    if bad.any():
-        i, j = np.unravel_index(int(bad.argmax()), bad.shape)
-        raise NonFiniteGradientError(
-            f"microbatch {offset + int(i)}, parameter {int(j)} is {float(v[i, j])!r}; "
-            "NaN and Inf are values, not absence"
-        )
-
-
-def check_finite_item(value: Array, where: str) -> None:
-    """Raise NonFiniteGradientError if a (maybe multi-dimensional) value holds NaN or Inf."""
-    if value.dtype.kind != "f":
-        return
-    bad = ~np.isfinite(value)
-    if bad.any():
-        k = int(bad.reshape(-1).argmax())
-        at = f" element {k}" if value.ndim else ""
-        raise NonFiniteGradientError(
-            f"{where}{at} is {float(value.reshape(-1)[k])!r}; NaN and Inf are values, not absence"
-        )

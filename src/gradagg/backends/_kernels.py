@@ -11,16 +11,20 @@ path instead (same answers, slower).
 
 Kernels are compiled on first use (about a second each signature) and cached
 on disk (``cache=True``), so later processes start fast. ``GRADAGG_NUMBA=0`` in
-the environment keeps numba out (the NumPy path runs; same answers).
+the environment keeps numba out (the NumPy path runs; same answers);
+:data:`ENABLED` switches the kernels off at run time (the tests check both paths).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 numba: Any
 if os.environ.get("GRADAGG_NUMBA") == "0":
@@ -34,6 +38,8 @@ else:
         numba = None
 
 AVAILABLE: bool = numba is not None
+ENABLED: bool = AVAILABLE
+"""Whether the NumPy backend uses these kernels (only if compiled); tests turn it off to check the NumPy path."""
 # Parameters per block in the microbatch mean: 4 Ki float64 sums (32 KiB) stay
 # in L1 while all M microbatches are added into them.
 BLOCK = 1 << 12
@@ -75,27 +81,27 @@ def dense_scalar(
     A branch on ownership measured faster than a branch-free "replica slot":
     that slot made every replica row wait on the previous one's add.
     """
-    span = totals.shape[0]
+    hi = lo + (totals.shape[0] - 1)  # the caller keeps lo .. hi inside int64; shard - lo could overflow
     for i in range(start, shards.shape[0]):
         if workers[i] == owners[i]:
-            j = shards[i] - lo
-            if j < 0 or j >= span:
+            shard = shards[i]
+            if shard < lo or shard > hi:
                 return i
-            totals[j] += gradients[i]
-            seen[j] = 1
+            totals[shard - lo] += gradients[i]
+            seen[shard - lo] = 1
     return int(shards.shape[0])
 
 
 @_jit()
 def dense_owned(shards: Any, gradients: Any, start: int, lo: int, totals: Any, seen: Any) -> int:
     """:func:`dense_scalar` for rows already known to be the owners' (from :func:`compact_owned`)."""
-    span = totals.shape[0]
+    hi = lo + (totals.shape[0] - 1)
     for i in range(start, shards.shape[0]):
-        j = shards[i] - lo
-        if j < 0 or j >= span:
+        shard = shards[i]
+        if shard < lo or shard > hi:
             return i
-        totals[j] += gradients[i]
-        seen[j] = 1
+        totals[shard - lo] += gradients[i]
+        seen[shard - lo] = 1
     return int(shards.shape[0])
 
 
@@ -127,13 +133,13 @@ def dense_vector(
     first widened into a float64 buffer, then added: two simple loops that
     vectorise, measured 1.4x faster than one mixed-precision loop.
     """
-    span = totals.shape[0]
+    hi = lo + (totals.shape[0] - 1)
     wide = np.empty(k1 - k0, dtype=totals.dtype)
     for i in range(start, shards.shape[0]):
         if workers[i] == owners[i]:
-            j = shards[i] - lo
-            if j < 0 or j >= span:
+            if shards[i] < lo or shards[i] > hi:
                 return i
+            j = shards[i] - lo
             row = gradients[i, k0:k1]
             total = totals[j, k0:k1]
             for k in range(row.shape[0]):
@@ -258,3 +264,15 @@ def rows_sum(values: Any, sums: Any, start: int, stop: int, divisor: float) -> N
         if divisor != 0:
             for j in range(n):
                 out[j] /= divisor
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def pool() -> ThreadPoolExecutor:
+    """One pool for the process: starting threads per call cost milliseconds on a busy machine."""
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor  # imported here: ~10 ms that a one-shot command may not need
+
+        _POOL.append(ThreadPoolExecutor(4, thread_name_prefix="gradagg"))
+    return _POOL[0]

@@ -2,15 +2,18 @@
 
 It is the oracle itself, so it is slow and keeps every row it is fed; it
 exists to cross-check the fast engines from the same entry points. Results are
-NumPy arrays when NumPy is installed (the columnar promise), lists otherwise.
+NumPy arrays when NumPy is installed (the columnar promise), lists otherwise;
+string shards are an object array of the strings themselves (``<U`` would drop
+trailing NULs), and integer totals beyond int64 an object array of Python ints.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gradagg import reference
-from gradagg.errors import RowShapeError
+from gradagg.errors import GradaggError, RowShapeError
 
 
 def owner_sum(
@@ -40,13 +43,16 @@ def owner_sum(
     return acc.result()
 
 
-def microbatch_mean(values: Any, present: Any = None, *, nonfinite: str = "propagate") -> Any:
+def microbatch_mean(
+    values: Any, present: Any = None, *, nonfinite: str = "propagate", parameter_offset: int = 0
+) -> Any:
     """:func:`gradagg.reference.microbatch_mean` on an ``(M, P)`` input and its ``present`` mask.
 
     Args:
         values: M rows of P numbers (``None`` = absent allowed in lists).
         present: M rows of P booleans, or ``None``.
         nonfinite: ``"propagate"`` or ``"raise"``.
+        parameter_offset: the number of the first parameter, in messages (a batch of a longer input).
 
     Returns:
         P float64 means.
@@ -59,7 +65,14 @@ def microbatch_mean(values: Any, present: Any = None, *, nonfinite: str = "propa
     """
     acc = MicrobatchMeanAccumulator(nonfinite=nonfinite)
     acc.update(values, present)
-    return acc.result()
+    try:
+        return acc.result()
+    except GradaggError as exc:
+        if not parameter_offset:
+            raise
+        # The reference numbers the parameters of these rows from 0: renumber them as the longer input's.
+        renumbered = re.sub(r"parameter (\d+)", lambda m: f"parameter {int(m.group(1)) + parameter_offset}", str(exc))
+        raise type(exc)(renumbered) from None
 
 
 class OwnerSumAccumulator:
@@ -80,8 +93,8 @@ class OwnerSumAccumulator:
             listed = ", ".join(f"{n} has {k}" for n, k in zip(names, lengths))
             raise RowShapeError(f"columns differ in length: {listed} rows")
         self._rows.extend(list(row) for row in zip(*columns))
-        self._ids = shard_ids if self._ids is None else self._ids
-        self._gradients = gradients if self._gradients is None else self._gradients
+        if self._ids is None or not len(self._ids):  # the first batch with rows shows the id and value types
+            self._ids, self._gradients = shard_ids, gradients
 
     def result(self) -> tuple[Any, Any]:
         """Run the reference over every row fed; return ``(shards, totals)``."""
@@ -135,17 +148,24 @@ def _numpy() -> Any:
 
 
 def _as_numpy(np: Any, sample: Any) -> Any:
-    if hasattr(sample, "detach"):  # a torch tensor: its NumPy twin has the same dtype and shape
-        return sample.detach().cpu().numpy()
-    return np.asarray(sample) if sample is not None else np.empty(0)
+    if hasattr(sample, "detach"):  # a torch tensor: only its dtype and shape are read
+        return np.empty(tuple(sample.shape), dtype=np.float64 if sample.is_floating_point() else np.int64)
+    if sample is None:
+        return np.empty(0)
+    try:  # only the dtype kind and the shape are read: a <U array's dropped NULs do not matter here
+        return np.asarray(sample)
+    except (ValueError, OverflowError):
+        return np.empty(0, dtype=object)
 
 
 def _shards_like(np: Any, items: list[Any], sample: Any) -> Any:
-    """Shard ids as int64 or ``<U``; an empty result keeps the input's id type."""
-    if items:
-        return np.asarray(items)
+    """Shard ids as int64, or an object array of str (or of ints beyond int64); an empty result keeps the id type."""
+    fixed = isinstance(sample, np.ndarray) and sample.dtype.kind == "U"  # <U in, <U out: no trailing NUL to lose
+    if items:  # any other strings as objects (a list's "a\0" would lose its NUL in <U)
+        kind: Any = np.int64 if isinstance(items[0], int) else str if fixed else object
+        return _exact_array(np, items, kind)
     a = _as_numpy(np, sample)
-    return np.empty(0, dtype="<U1" if a.dtype.kind in "US" else np.int64)
+    return np.empty(0, dtype="<U1" if fixed else object if a.dtype.kind in "USO" else np.int64)
 
 
 def _totals_like(np: Any, items: list[Any], sample: Any) -> Any:
@@ -153,5 +173,19 @@ def _totals_like(np: Any, items: list[Any], sample: Any) -> Any:
     a = _as_numpy(np, sample)
     dtype = np.int64 if a.dtype.kind in "iu" else np.float64
     if items:
-        return np.asarray(items, dtype=dtype)
+        return _exact_array(np, items, dtype)
     return np.empty((0, *a.shape[1:2]), dtype=dtype)
+
+
+def _exact_array(np: Any, items: list[Any], dtype: Any) -> Any:
+    """``items`` as one array of ``dtype``, or as objects where that dtype would not hold them exactly."""
+    try:
+        return np.array(items, dtype=dtype) if dtype is not object else _objects(np, items)  # (str: a <U array)
+    except OverflowError:  # the reference's unbounded ints: kept exact, as Python ints
+        return _objects(np, items)
+
+
+def _objects(np: Any, items: list[Any]) -> Any:
+    a = np.empty(len(items), dtype=object)
+    a[:] = items
+    return a

@@ -1,9 +1,4 @@
-"""PyTorch backend: both contracts on tensors, on any device.
-
-CPU tensors are viewed as NumPy arrays (zero-copy) and run through the NumPy
-backend's fused kernels when numba is installed (:data:`CPU_VIA_NUMPY`): on
-CPU that is the fastest path and gives the same bits. Otherwise (CUDA, or no
-numba) the contracts run as torch ops on the tensors' device:
+"""PyTorch backend: both contracts as torch ops on the tensors' device.
 
 * owner-sum: ``owned = worker == owner``; the owner rows' shard ids are
   merged into the sorted keys with ``torch.unique(sorted=True,
@@ -15,8 +10,13 @@ numba) the contracts run as torch ops on the tensors' device:
 * microbatch mean: one float64 sum per parameter, microbatch by microbatch
   (elementwise, so exact on every device), divided by M.
 
-String shard ids cannot live in a tensor: they stay a NumPy ``<U`` array on
-the host, are factorised there, and only their integer codes go to the device.
+String shard ids cannot live in a tensor: a ``<U`` array is merged into sorted
+``<U`` keys on the host (packed keys, :mod:`gradagg.backends._factor`); other
+string ids get integer codes (:mod:`gradagg.backends._strings`, exact for
+trailing NULs), sorted by the strings at the end. Only positions or codes go
+to the device. Whether CPU tensors are better
+served by the NumPy kernels is :mod:`gradagg.engine`'s choice, not this
+module's: it never calls another backend.
 """
 
 from __future__ import annotations
@@ -26,21 +26,16 @@ from typing import Any
 import numpy as np
 
 import torch
-from gradagg.backends import _checks, _factor, _kernels
-from gradagg.backends import numpy as numpy_backend
+from gradagg.backends import _checks, _factor, _strings
 from gradagg.errors import (
-    GradaggError,
     GradientShapeError,
     GradientTypeError,
     IdError,
-    NonFiniteGradientError,
     RowShapeError,
     UnorderableShardError,
+    short_repr,
 )
-
-# Route CPU tensors through the NumPy kernels when they are compiled (tests turn this off).
-CPU_VIA_NUMPY: bool = _kernels.AVAILABLE
-_INT64_MAX = 2**63 - 1
+from gradagg.options import check_nonfinite
 
 
 def owner_sum(
@@ -72,13 +67,16 @@ def owner_sum(
     return acc.result()
 
 
-def microbatch_mean(values: Any, present: Any = None, *, nonfinite: str = "propagate") -> Any:
+def microbatch_mean(
+    values: Any, present: Any = None, *, nonfinite: str = "propagate", parameter_offset: int = 0
+) -> Any:
     """Microbatch mean on tensors (see :func:`gradagg.engine.microbatch_mean_columns`).
 
     Args:
         values: ``(M, P)`` tensor, or a list of M lists of P tensors (``None`` = absent).
         present: ``(M, P)`` bool tensor for tensor input; ``None`` = all present.
         nonfinite: ``"propagate"`` or ``"raise"``.
+        parameter_offset: the number of the first parameter, in messages (a batch of a longer input).
 
     Returns:
         ``(P,)`` float64 tensor on the values' device, or a list of P float64 tensors.
@@ -89,36 +87,13 @@ def microbatch_mean(values: Any, present: Any = None, *, nonfinite: str = "propa
     >>> microbatch_mean(torch.tensor([[2.0, 0.0], [4.0, 6.0]]), torch.tensor([[True, False], [True, True]])).tolist()
     [3.0, 3.0]
     """
-    _checks.check_nonfinite_option(nonfinite)
+    check_nonfinite(nonfinite)
     if isinstance(values, (list, tuple)):
         return _mean_of_lists(values, nonfinite)
-    v = _numeric_tensor(values, "values")
-    if CPU_VIA_NUMPY and v.device.type == "cpu":  # the one-shot NumPy path divides inside its kernel
-        mask = None if present is None else _host(as_tensor(present))
-        return torch.from_numpy(numpy_backend.microbatch_mean(_host(v), mask, nonfinite=nonfinite))
     acc = MicrobatchMeanAccumulator(nonfinite=nonfinite)
+    acc._parameter_offset = parameter_offset
     acc.update(values, present)
     return acc.result()
-
-
-def as_tensor(x: Any, device: Any = None) -> Any:
-    """A tensor of ``x`` (NumPy array, list or tensor) on ``device``; string ids stay NumPy arrays.
-
-    >>> as_tensor(np.array([1, 2])).tolist(), as_tensor(np.array(["a"])).dtype.kind
-    ([1, 2], 'U')
-    """
-    if isinstance(x, torch.Tensor):
-        return x if device is None else x.to(device)
-    try:
-        a = x if isinstance(x, np.ndarray) else np.asarray(x)
-    except ValueError:  # ragged lists: left for the backend's checks to name
-        return x
-    if a.dtype.kind in "UOS":  # ids for the host side; a list stays a list so mixed types are still caught
-        return a if isinstance(x, np.ndarray) else x
-    if not a.flags.writeable or not a.flags.c_contiguous:  # torch wants to own writable memory
-        a = np.array(a)
-    t = torch.from_numpy(a)
-    return t if device is None else t.to(device)
 
 
 class OwnerSumAccumulator:
@@ -138,13 +113,12 @@ class OwnerSumAccumulator:
     """
 
     def __init__(self, *, nonfinite: str = "propagate") -> None:
-        _checks.check_nonfinite_option(nonfinite)
-        self._nonfinite = nonfinite
-        self._via_numpy: numpy_backend.OwnerSumAccumulator | None = None
+        self._nonfinite = check_nonfinite(nonfinite)
         self._rows = 0
-        self._keys: Any = None  # sorted unique shard ids: int64 tensor, or NumPy <U array
+        self._id_kind: str | None = None
+        self._names = _strings.Interner()  # codes of string shard ids
+        self._keys: Any = None  # sorted unique shard ids (or codes of string ids): an int64 tensor
         self._totals: Any = None
-        self._device: Any = None
 
     def update(self, shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: Any) -> None:
         """Add a batch of rows (four columns of equal length).
@@ -159,15 +133,10 @@ class OwnerSumAccumulator:
             GradaggError: see :func:`owner_sum`.
         """
         grads = _numeric_tensor(gradients, "gradients")
-        if self._via_numpy is not None or (self._keys is None and CPU_VIA_NUMPY and grads.device.type == "cpu"):
-            if self._via_numpy is None:
-                self._via_numpy = numpy_backend.OwnerSumAccumulator(nonfinite=self._nonfinite)
-            cols = [_host(c) for c in (shard_ids, worker_ids, owner_ids, grads)]
-            self._via_numpy.update(*cols)
-            return
-        shards, owned, grads = self._validate(shard_ids, worker_ids, owner_ids, grads)
-        self._accumulate(shards, owned, grads)
-        self._rows += len(shards)
+        shards, owned = self._validate(shard_ids, worker_ids, owner_ids, grads)
+        if len(grads):
+            self._accumulate(shards, owned, grads)
+        self._rows += len(grads)
 
     def result(self) -> tuple[Any, Any]:
         """Return ``(shards, totals)`` over all rows fed so far, shards sorted ascending.
@@ -175,142 +144,138 @@ class OwnerSumAccumulator:
         Returns:
             As for :func:`owner_sum`.
         """
-        if self._via_numpy is not None:
-            shards, totals = self._via_numpy.result()
-            return as_tensor(shards), torch.from_numpy(totals)
+        keyed = self._id_kind in ("str", "object")  # ids held as Python keys, with integer codes on the device
         if self._keys is None:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64)
-        return self._keys, self._totals
+            empty = np.empty(0, dtype=object) if keyed else torch.empty(0, dtype=torch.int64)
+            empty = np.empty(0, dtype="<U1") if self._id_kind == "fixed" else empty
+            return empty, torch.empty(0, dtype=torch.float64)
+        if not keyed:
+            return self._keys, self._totals  # integers, or the sorted <U keys of <U input
+        codes = self._keys.cpu().numpy()
+        order = self._names.order(codes)  # codes count first appearances: sort by the ids themselves
+        device_order = torch.from_numpy(order).to(self._totals.device)
+        return _strings.object_array(self._names.keys(codes[order])), self._totals[device_order]
 
-    def _validate(self, shard_ids: Any, worker_ids: Any, owner_ids: Any, grads: Any) -> tuple[Any, Any, Any]:
+    def _validate(self, shard_ids: Any, worker_ids: Any, owner_ids: Any, grads: Any) -> tuple[Any, Any]:
         device = grads.device
-        shards = _ids("shard_ids", shard_ids, self._rows)
-        workers = _ids("worker_ids", worker_ids, self._rows)
-        owners = _ids("owner_ids", owner_ids, self._rows)
+        shards, skind = _ids("shard_ids", shard_ids, self._rows)
+        workers, wkind = _ids("worker_ids", worker_ids, self._rows)
+        owners, okind = _ids("owner_ids", owner_ids, self._rows)
         if grads.dim() not in (1, 2):
             raise GradientShapeError(f"gradients must have shape (N,) or (N, D), got shape {tuple(grads.shape)}")
         if grads.dtype == torch.bool or grads.is_complex():
             raise GradientTypeError(f"gradients must be integers or floats, got {grads.dtype}")
         names = ("shard_ids", "worker_ids", "owner_ids", "gradients")
         _checks.check_lengths(dict(zip(names, (len(shards), len(workers), len(owners), len(grads)))))
-        _checks.check_same_id_kind(_id_kind(workers), _id_kind(owners))
-        owned = _owned(workers, owners, device)
+        typed = isinstance(shard_ids, torch.Tensor) or getattr(shard_ids, "dtype", np.dtype(object)).kind != "O"
+        if skind == "str" and isinstance(shards, np.ndarray) and shards.dtype.kind == "U":
+            skind = "fixed"  # a <U array (it cannot hold trailing NULs): sorted and merged as packed keys on the host
+        if len(grads) or typed:  # an empty list or object array says nothing about the id type
+            shards, skind = self._consistent(shards, skind)
+        if skind == "fixed":
+            owned = _owned(workers, wkind, owners, okind, device)
+            if self._nonfinite == "raise":
+                self._raise_nonfinite(owned, grads, shards)
+            return shards, owned
+        codes = torch.from_numpy(self._names.codes(shards)) if skind != "int" else shards
+        owned = _owned(workers, wkind, owners, okind, device)
         if self._nonfinite == "raise":
-            _first_nonfinite(owned, grads, shards, self._rows)
-        if self._keys is not None and _id_kind(shards) != _id_kind(self._keys):
+            self._raise_nonfinite(owned, grads, codes)
+        return codes.to(device), owned
+
+    def _consistent(self, shards: Any, kind: str) -> tuple[Any, str]:
+        """Keep one id kind per accumulator: keyed ids (str, mixed) take later ints as keys; ints take only ints."""
+        if self._id_kind is None or kind == self._id_kind:
+            self._id_kind = self._id_kind or kind
+            return shards, kind
+        if self._id_kind == "fixed" and kind == "str":  # strings after a <U array: as <U, if it can hold them
+            return _strings.as_fixed(shards, self._rows), "fixed"
+        if self._id_kind in ("int", "fixed"):
+            said = {"fixed": "str (a <U array)", "object": "int and str"}
             raise UnorderableShardError(
-                f"row {self._rows}: shard ids are {_id_kind(shards)} in this batch but {_id_kind(self._keys)} before"
+                f"row {self._rows}: shard ids are {said.get(kind, kind)} in this batch but "
+                f"{said.get(self._id_kind, self._id_kind)} in earlier rows; an accumulator that started on an "
+                "integer column takes only integer ids, and one that started on a <U array only strings"
             )
-        return shards, owned, grads
+        self._id_kind = "object"
+        return (_strings.object_array(shards.tolist()) if kind == "int" else shards), "object"
+
+    def _raise_nonfinite(self, owned: Any, grads: Any, codes: Any) -> None:
+        if not grads.is_floating_point() or bool(torch.isfinite(grads).all()):
+            return  # the common case, decided on the device; the one locator runs on the host only on failure
+        found = _checks.first_nonfinite(grads.detach().cpu().numpy(), owned.cpu().numpy())
+        if found is None:
+            return
+        code = codes[found[0]]
+        shard = self._names.key(int(code)) if self._id_kind in ("str", "object") else code.item()
+        at = f" element {found[1]}" if len(found) == 2 else ""
+        value = grads[found].item()
+        raise _checks.nonfinite_error(f"row {self._rows + found[0]}: gradient of shard {short_repr(shard)}{at}", value)
 
     def _accumulate(self, shards: Any, owned: Any, grads: Any) -> None:
         dtype = torch.int64 if not grads.is_floating_point() else torch.float64
         rows = grads[owned].to(dtype)
         if dtype == torch.int64:
-            _int_headroom(rows, self._totals)
+            held = int(self._totals.abs().max()) if self._totals is not None and self._totals.numel() else 0
+            _checks.check_int_headroom(rows.cpu().numpy(), held)
         if self._keys is None:
-            self._device, self._keys = grads.device, shards[:0]
+            self._keys = shards[:0]
             self._totals = torch.empty((0, *grads.shape[1:]), dtype=dtype, device=grads.device)
         elif rows.shape[1:] != self._totals.shape[1:] or dtype != self._totals.dtype:
             raise GradientShapeError(
                 f"row {self._rows}: gradients are {dtype} of shape {tuple(rows.shape[1:])}, expected "
                 f"{self._totals.dtype} of shape {tuple(self._totals.shape[1:])} (from row 0)"
             )
-        keys, old_pos, codes = _merge_keys(self._keys, _select(shards, owned), self._device)
+        device = self._totals.device
+        keys, old_pos, codes = _merge_keys(self._keys, shards, owned, device)
         # Old totals first, then this batch's rows in row order: -0.0 + t == t keeps every total's bits.
-        totals = torch.full((len(keys), *rows.shape[1:]), -0.0 if dtype.is_floating_point else 0, dtype=dtype,
-                            device=self._device)
+        start = -0.0 if dtype.is_floating_point else 0
+        totals = torch.full((len(keys), *rows.shape[1:]), start, dtype=dtype, device=device)
         totals.index_add_(0, old_pos, self._totals)
-        totals.index_add_(0, codes, rows)
+        totals.index_add_(0, codes, rows.to(device))
         self._keys, self._totals = keys, totals
 
 
+def _merge_keys(old: Any, shards: Any, owned: Any, device: Any) -> tuple[Any, Any, Any]:
+    """Sorted union of the table's keys and the owner rows' ids; the positions of each old key and each new id.
+
+    Integer ids (and codes) merge on the device with ``torch.unique``; ``<U`` ids on the host, as packed keys
+    (:mod:`gradagg.backends._factor`: no Python compare of strings), only their positions going to the device.
+    """
+    if isinstance(old, torch.Tensor):
+        keys, inverse = torch.unique(torch.cat([old, shards[owned].to(device)]), sorted=True, return_inverse=True)
+        return keys, inverse[: len(old)], inverse[len(old) :]
+    keys, inv = _factor.factorize(np.concatenate([old, shards[owned.cpu().numpy()]]))
+    inverse = torch.from_numpy(inv).to(device)
+    return keys, inverse[: len(old)], inverse[len(old) :]
+
+
 def _numeric_tensor(x: Any, name: str) -> Any:
-    """A tensor of numbers; non-tensor input is checked (bool, strings, ragged) by the NumPy checks first."""
+    """Numbers must come as a tensor: :mod:`gradagg.engine` converts every other input kind."""
     if isinstance(x, torch.Tensor):
         return x
-    a = x if isinstance(x, np.ndarray) and x.dtype.kind in "iuf" else _checks.widen(_object_or_array(x, name), name)
-    return as_tensor(a)
+    raise GradientTypeError(f"{name}: the torch backend takes tensors, got {type(x).__name__}; use gradagg.engine")
 
 
-def _object_or_array(x: Any, name: str) -> Any:
-    try:
-        return np.asarray(x)
-    except ValueError:
-        raise GradientShapeError(f"{name}: vector gradients differ in length") from None
-
-
-def _host(x: Any) -> Any:
-    """A NumPy view of a CPU tensor (no copy); other inputs unchanged."""
-    return x.detach().numpy() if isinstance(x, torch.Tensor) else x
-
-
-def _ids(name: str, x: Any, offset: int) -> Any:
-    """Integer ids as a tensor; string ids as a NumPy ``<U`` array (host side)."""
+def _ids(name: str, x: Any, offset: int) -> tuple[Any, str]:
+    """Integer ids as an int64 tensor; string ids as a NumPy array on the host (``"str"``)."""
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:
             raise RowShapeError(f"{name} must be one-dimensional (one id per row), got shape {tuple(x.shape)}")
         if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
             raise IdError(f"{name} must hold int or str ids, got a {x.dtype} tensor")
-        return x.to(torch.int64)
+        return x.to(torch.int64), "int"
     ids, kind = _checks.as_ids(name, x, offset)
-    return ids if kind == "str" else torch.from_numpy(np.array(ids, dtype=np.int64))
+    return (ids, kind) if kind != "int" else (torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), kind)
 
 
-def _id_kind(ids: Any) -> str:
-    return "int" if isinstance(ids, torch.Tensor) else "str"
-
-
-def _owned(workers: Any, owners: Any, device: Any) -> Any:
-    """The owner-row mask as a bool tensor on ``device``."""
-    if isinstance(workers, torch.Tensor):
-        return (workers.to(device) == owners.to(device)).to(device)
-    return torch.from_numpy(np.asarray(workers == owners)).to(device)
-
-
-def _select(ids: Any, owned: Any) -> Any:
-    if isinstance(ids, torch.Tensor):
-        return ids.to(owned.device)[owned]
-    return ids[owned.cpu().numpy()]
-
-
-def _merge_keys(old: Any, new: Any, device: Any) -> tuple[Any, Any, Any]:
-    """Sorted union of the table's keys and a batch's ids; positions of each old key and each new id."""
-    k = len(old)
-    if isinstance(old, torch.Tensor):
-        keys, inverse = torch.unique(torch.cat([old.to(device), new]), sorted=True, return_inverse=True)
-        return keys, inverse[:k], inverse[k:]
-    keys, inv = _factor.factorize(np.concatenate([old, new]))
-    inverse = torch.from_numpy(inv).to(device)
-    return keys, inverse[:k], inverse[k:]
-
-
-def _first_nonfinite(owned: Any, grads: Any, shards: Any, offset: int) -> None:
-    if not grads.is_floating_point():
-        return
-    bad = ~torch.isfinite(grads)
-    rows = (bad.any(dim=1) if bad.dim() == 2 else bad) & owned
-    if not bool(rows.any()):
-        return
-    r = int(rows.nonzero()[0, 0])
-    at, value = ("", grads[r]) if bad.dim() == 1 else (f" element {int(bad[r].nonzero()[0, 0])}", grads[r][bad[r]][0])
-    shard = shards[r].item() if isinstance(shards, torch.Tensor) else shards[r].item()
-    raise NonFiniteGradientError(
-        f"row {offset + r}: gradient of shard {shard!r}{at} is {float(value)!r}; NaN and Inf are values, not absence"
-    )
-
-
-def _int_headroom(rows: Any, totals: Any) -> None:
-    """Refuse a batch whose integer totals could overflow int64 (conservative bound)."""
-    if rows.numel() == 0:
-        return
-    biggest = int(rows.abs().max())
-    held = int(totals.abs().max()) if totals is not None and totals.numel() else 0
-    if biggest * len(rows) + held > _INT64_MAX:
-        raise GradaggError(
-            f"integer totals could overflow int64 (|gradient| up to {biggest} over {len(rows)} counted rows); "
-            "use engine='python' for unbounded integers"
-        )
+def _owned(workers: Any, worker_kind: str, owners: Any, owner_kind: str, device: Any) -> Any:
+    """The owner-row mask as a bool tensor on ``device`` (anything but two int columns compared on the host)."""
+    if worker_kind == owner_kind == "int":
+        return workers.to(device) == owners.to(device)
+    host = [x.cpu().numpy() if isinstance(x, torch.Tensor) else x for x in (workers, owners)]
+    same = _checks.owner_rows(host[0], worker_kind, host[1], owner_kind)
+    return torch.from_numpy(same).to(device)
 
 
 class MicrobatchMeanAccumulator:
@@ -327,9 +292,8 @@ class MicrobatchMeanAccumulator:
     """
 
     def __init__(self, *, nonfinite: str = "propagate") -> None:
-        _checks.check_nonfinite_option(nonfinite)
-        self._nonfinite = nonfinite
-        self._via_numpy: numpy_backend.MicrobatchMeanAccumulator | None = None
+        self._nonfinite = check_nonfinite(nonfinite)
+        self._parameter_offset = 0  # set by microbatch_mean for a batch of a longer input's parameters
         self._sums: Any = None
         self._m = 0  # the divisor: microbatches counted, nothing else
 
@@ -344,23 +308,29 @@ class MicrobatchMeanAccumulator:
             GradaggError: see :func:`microbatch_mean`.
         """
         v = _numeric_tensor(values, "values")
-        if self._via_numpy is not None or (self._sums is None and CPU_VIA_NUMPY and v.device.type == "cpu"):
-            if self._via_numpy is None:
-                self._via_numpy = numpy_backend.MicrobatchMeanAccumulator(nonfinite=self._nonfinite)
-            self._via_numpy.update(_host(v), None if present is None else _host(as_tensor(present)))
-            return
-        mask = _check_values(v, None if present is None else as_tensor(present, v.device))
-        if self._nonfinite == "raise":
-            _checks.check_finite_values(v.cpu().numpy(), None if mask is None else mask.cpu().numpy(), self._m)
+        mask = _check_values(v, None if present is None else _numeric_tensor(present, "present").to(v.device))
+        if self._nonfinite == "raise" and v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            # Decided on the device; the one locator runs on the host only when there is something to name.
+            host_mask = None if mask is None else mask.cpu().numpy()
+            _checks.check_finite_values(v.cpu().numpy(), host_mask, self._m, self._parameter_offset)
+        kind = torch.float64 if v.is_floating_point() else torch.int64  # integers summed exactly, as the reference
         if self._sums is None:
-            self._sums = torch.zeros(v.shape[1], dtype=torch.float64, device=v.device)
+            self._sums = torch.zeros(v.shape[1], dtype=kind, device=v.device)
         elif v.shape[1] != len(self._sums):
             raise RowShapeError(
                 f"microbatch {self._m}: has {v.shape[1]} values, expected {len(self._sums)} (from microbatch 0)"
             )
+        elif self._sums.dtype != kind:
+            raise GradientTypeError(
+                f"microbatch {self._m}: values are {v.dtype} here but {self._sums.dtype} sums before; "
+                "feed one numeric kind (integers or floats)"
+            )
+        if kind == torch.int64:
+            counted = v if mask is None else v[mask]
+            _checks.check_int_headroom(counted.cpu().numpy(), int(self._sums.abs().max()) if len(self._sums) else 0)
         for i in range(v.shape[0]):
-            row = v[i].to(torch.float64, copy=True)  # a copy: masked_fill_ below must not touch the input
-            self._sums += row if mask is None else row.masked_fill_(~mask[i], 0.0)
+            row = v[i].to(kind, copy=True)  # a copy: masked_fill_ below must not touch the input
+            self._sums += row if mask is None else row.masked_fill_(~mask[i], 0)
         self._m += v.shape[0]
 
     def result(self) -> Any:
@@ -369,11 +339,9 @@ class MicrobatchMeanAccumulator:
         Returns:
             As for :func:`microbatch_mean`.
         """
-        if self._via_numpy is not None:
-            return torch.from_numpy(self._via_numpy.result())
         if self._sums is None or self._m == 0:
             return torch.empty(0, dtype=torch.float64)
-        return self._sums / self._m
+        return _means(self._sums, self._m)
 
 
 def _check_values(v: Any, mask: Any) -> Any:
@@ -403,18 +371,41 @@ def _mean_of_lists(rows: Any, nonfinite: str) -> list[Any]:
                 raise RowShapeError(f"microbatch {i}: has {len(row)} values, expected {width} (from microbatch 0)")
             if row[j] is None:
                 continue  # absent: contributes zero, still counted in M
-            value = as_tensor(row[j])
+            value = _numeric_tensor(row[j], f"microbatch {i}, parameter {j}")
             if value.dtype == torch.bool or value.is_complex():
                 raise GradientTypeError(f"microbatch {i}, parameter {j}: values must be numbers, got {value.dtype}")
-            if nonfinite == "raise":
-                _checks.check_finite_item(value.detach().cpu().numpy(), f"microbatch {i}, parameter {j}")
+            if nonfinite == "raise" and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                _raise_nonfinite_item(value, f"microbatch {i}, parameter {j}")
             if total is None:
-                total, first = torch.zeros(value.shape, dtype=torch.float64, device=value.device), i
+                kind = torch.float64 if value.is_floating_point() else torch.int64
+                total, first = torch.zeros(value.shape, dtype=kind, device=value.device), i
             elif value.shape != total.shape:
                 raise GradientShapeError(
                     f"microbatch {i}, parameter {j}: shape {tuple(value.shape)}, expected {tuple(total.shape)} "
                     f"(from microbatch {first})"
                 )
-            total += value.to(torch.float64)
-        out.append(torch.zeros((), dtype=torch.float64) if total is None else total / m)
+            total = _add_item(total, value)
+        out.append(torch.zeros((), dtype=torch.float64) if total is None else _means(total, m))
     return out
+
+
+def _add_item(total: Any, value: Any) -> Any:
+    """As the reference adds Python numbers: int64 while every value so far was an integer, then float64."""
+    if total.dtype == torch.int64 and not value.is_floating_point():
+        _checks.check_int_headroom(value.cpu().numpy(), int(total.abs().max()) if total.numel() else 0)
+        return total + value.to(torch.int64)
+    return total.to(torch.float64) + value.to(torch.float64)
+
+
+def _means(sums: Any, m: int) -> Any:
+    """``sums / m`` in float64; integer sums divided exactly as Python does (on the host: rare and small)."""
+    if sums.is_floating_point():
+        return sums / m
+    return torch.from_numpy(np.asarray(_checks.exact_means(sums.cpu().numpy(), m))).to(sums.device)
+
+
+def _raise_nonfinite_item(value: Any, where: str) -> None:
+    flat = value.detach().cpu().numpy().reshape(-1)
+    found = _checks.first_nonfinite(flat)
+    if found is not None:
+        raise _checks.nonfinite_error(f"{where}{f' element {found[0]}' if value.dim() else ''}", flat[found])
