@@ -27,14 +27,18 @@ demo: $(DEV_STAMP)
 	@echo "== every contract check (JSON in out/verify.json)"
 	@mkdir -p out
 	$(VENV)/bin/gradagg verify > out/verify.json && echo "verify: all checks passed"
-	@echo "== distributed training on 2 local processes against the full-batch gradient"
+	@echo "== distributed training on 2 local processes against the full batch (token-weighted, then MoE)"
 	$(VENV)/bin/gradagg demo
+	@echo "== your own step against the full batch: a right one passes, a mean of per-rank means fails"
+	$(VENV)/bin/gradagg parity examples/parity/token_mean_gradagg.py > out/parity_right.json && echo "parity: passed"
+	$(VENV)/bin/gradagg parity examples/parity/mistake_mean_of_rank_means.py > out/parity_mistake.json; \
+	  test $$? -eq 1 && echo "parity: the mistake was caught (exit 1, see out/parity_mistake.json)"
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(DEV_STAMP)
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
 
 typecheck: $(DEV_STAMP)
 	$(VENV)/bin/mypy src

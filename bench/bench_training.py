@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
+from torch import nn
+
 from gradagg.testing import run_local_world
 from gradagg.torch import (
     MicrobatchAccumulator,
@@ -40,7 +41,6 @@ from gradagg.torch import (
     grad_norm,
     owner_reduce,
 )
-from torch import nn
 
 M = 8  # microbatches per step
 MICROBATCH = 16  # samples per microbatch

@@ -15,12 +15,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
+from torch import nn
+
 from gradagg.testing import run_local_world
 from gradagg.torch import MicrobatchAccumulator
-from torch import nn
 
 TOL = 1e-10
 COUNTS = [0, 3, 2, 4]  # microbatches of rank r (the first W); rank 0 runs none

@@ -10,9 +10,9 @@ would give ((0) / 1 + (10 + 11 + 12) / 3) / 2 = 5.5.
 
 import os
 
+import torch
 import torch.distributed as dist
 
-import torch
 from gradagg.testing import launched_by_torchrun, run_world
 from gradagg.torch import MicrobatchAccumulator
 

@@ -11,14 +11,16 @@ the script compares their full tensors with one forward/backward of the whole ba
 
 import os
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import torch
 from gradagg.testing import launched_by_torchrun, run_world
 from gradagg.torch import MicrobatchAccumulator
-from torch import nn
+
+TOLERANCE = 1e-12  # float64: the same sums added in another order differ by a few 1e-17
 
 
 def make_model() -> nn.Module:
@@ -58,6 +60,8 @@ def train_step(counts: list[int]) -> str:
     x, y, valid = (torch.cat([b[i] for b in batches]) for i in range(3))
     (loss_sum(truth, x, y, valid) / int(valid.sum())).backward()
     error = max(float((g - q.grad).abs().max()) for g, q in zip(grads, truth.parameters()))
+    if error > TOLERANCE:
+        raise SystemExit(f"rank {rank}: gradagg missed the full-batch gradient by {error:.1e}")
     kind = type(next(model.parameters()).grad).__name__
     counts_seen = list(ledger.microbatches_per_rank or ())
     return f"counts {counts_seen}, D = {ledger.divisor:g}; .grad is a {kind}; max error {error:.1e}"

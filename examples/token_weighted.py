@@ -11,14 +11,15 @@ microbatches (the mean of per-microbatch token means) gives.
 
 import os
 
-import torch.distributed as dist
-
 import torch
-from gradagg.testing import launched_by_torchrun, run_world
-from gradagg.torch import MicrobatchAccumulator
+import torch.distributed as dist
 from torch import nn
 
+from gradagg.testing import launched_by_torchrun, run_world
+from gradagg.torch import MicrobatchAccumulator
+
 VOCAB, DIM, IGNORE = 11, 8, -100
+TOLERANCE = 1e-12  # float64: the same sums added in another order differ by a few 1e-17
 
 
 def model_and_data() -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -54,9 +55,12 @@ def train_step(counts: list[int]) -> str:
     (token_loss_sum(truth, tokens, labels) / int((labels != IGNORE).sum())).backward()
     wrong, _ = model_and_data()  # what many loops ship: the mean over microbatches of each one's token mean
     sum(token_loss_sum(wrong, t, y) / int((y != IGNORE).sum()) / len(batches) for t, y in batches).backward()
+    error = _diff(model, truth)
+    if error > TOLERANCE:
+        raise SystemExit(f"rank {rank}: gradagg missed the full-batch gradient by {error:.1e}")
     return (
         f"D = {ledger.divisor:g} tokens (per rank {list(ledger.weight_per_rank or ())}), M = "
-        f"{ledger.microbatches_global}; max error vs the full batch {_diff(model, truth):.1e} "
+        f"{ledger.microbatches_global}; max error vs the full batch {error:.1e} "
         f"(mean of microbatch means: {_diff(wrong, truth):.1e})"
     )
 

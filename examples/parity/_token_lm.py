@@ -6,10 +6,9 @@ first half, 37 in the second). Unequal counts are what make a wrong divisor visi
 a mean of means equals the mean. float64, so a right step matches the full batch to ~1e-16.
 """
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import torch
 
 VOCAB, DIM, LENGTH, IGNORE = 11, 6, 12, -100
 LENGTHS = [(3, 9), (12, 4), (5, 6), (12, 7), (4, 1), (12, 12), (2, 3), (1, 2)]  # valid tokens per sequence

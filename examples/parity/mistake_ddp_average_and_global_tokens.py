@@ -10,11 +10,10 @@ It also needs every rank to run at least one microbatch: DDP reduces inside the 
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 from _token_lm import build_model, full_batch_loss, microbatches, n_tokens, token_loss
 from torch.nn.parallel import DistributedDataParallel
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "prepare", "step"]
 

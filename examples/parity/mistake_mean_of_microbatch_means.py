@@ -5,10 +5,9 @@ a microbatch of 3 tokens weighs as much as one of 24. Wrong on every layout, one
 `gradagg parity examples/parity/mistake_mean_of_microbatch_means.py` fails 8, 4,4 and 1,7; exit 1.
 """
 
+import torch
 import torch.distributed as dist
 from _token_lm import all_reduce_grads, build_model, full_batch_loss, microbatches, token_loss
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

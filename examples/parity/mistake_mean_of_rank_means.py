@@ -5,10 +5,9 @@ Right in one process (one rank, one mean), wrong as soon as the ranks hold diffe
 against 37) and 1,7; exit 1. A test that fed every rank the same data would pass it.
 """
 
+import torch
 import torch.distributed as dist
 from _token_lm import all_reduce_grads, build_model, full_batch_loss, microbatches, n_tokens, token_loss
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

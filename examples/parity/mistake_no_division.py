@@ -4,9 +4,8 @@ The gradients are the truth times the window's 95 tokens on every parameter, and
 `gradagg parity examples/parity/mistake_no_division.py` fails 8, 4,4 and 1,7; exit 1.
 """
 
-from _token_lm import all_reduce_grads, build_model, full_batch_loss, microbatches, token_loss
-
 import torch
+from _token_lm import all_reduce_grads, build_model, full_batch_loss, microbatches, token_loss
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

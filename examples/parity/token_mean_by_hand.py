@@ -5,10 +5,9 @@ divide by the token count of the whole window, counted on every rank and all-red
 `gradagg parity examples/parity/token_mean_by_hand.py` exits 0: every default layout (8; 4,4; 1,7) passes.
 """
 
+import torch
 import torch.distributed as dist
 from _token_lm import all_reduce_grads, build_model, full_batch_loss, microbatches, n_tokens, token_loss
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

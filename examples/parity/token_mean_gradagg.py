@@ -7,9 +7,9 @@ calls ``finish()``. `gradagg parity examples/parity/token_mean_gradagg.py` exits
 layout (8; 4,4; 1,7) passes.
 """
 
+import torch
 from _token_lm import build_model, full_batch_loss, microbatches, n_tokens, token_loss
 
-import torch
 from gradagg.torch import MicrobatchAccumulator
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]

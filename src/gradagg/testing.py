@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-import torch
 from gradagg.errors import CollectiveError
 
 _PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]

@@ -5,9 +5,8 @@ each fixture script breaks it in one way. The truth is the gradient of the mean 
 all 10 samples.
 """
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
 
 SIZES = (1, 2, 3, 4)  # samples per microbatch: unequal, so a mean of means differs from the mean
 

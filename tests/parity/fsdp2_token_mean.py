@@ -6,11 +6,10 @@ recipe of issue 8 (unsharded parameters over the window), which this fixture doe
 """
 
 import _examples  # noqa: F401  (examples/parity on sys.path)
+import torch
 import torch.distributed as dist
 from _token_lm import build_model, full_batch_loss, microbatches, n_tokens, token_loss
 from torch.distributed.fsdp import fully_shard
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "prepare", "step"]
 

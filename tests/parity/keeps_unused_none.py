@@ -1,10 +1,9 @@
 """Right about absence: the same model as zero_for_unused.py, and the unused layer's grad stays None."""
 
+import torch
 import torch.distributed as dist
 from _tiny import count_and_backward, full_batch_loss, microbatches
 from zero_for_unused import build_model
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

@@ -2,9 +2,8 @@
 
 import os
 
-from _tiny import full_batch_loss, microbatches, right_step
-
 import torch
+from _tiny import full_batch_loss, microbatches, right_step
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

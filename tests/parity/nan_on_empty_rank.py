@@ -1,9 +1,8 @@
 """Wrong: a per-rank mean computed before the all-reduce; a rank with no microbatch divides 0 by 0 (NaN)."""
 
+import torch
 import torch.distributed as dist
 from _tiny import build_model, full_batch_loss, microbatches, sum_loss
-
-import torch
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

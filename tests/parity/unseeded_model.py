@@ -1,8 +1,7 @@
 """Unusable: build_model() draws fresh random weights on every call."""
 
-from _tiny import full_batch_loss, microbatches, right_step
-
 import torch
+from _tiny import full_batch_loss, microbatches, right_step
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

@@ -1,8 +1,7 @@
 """Wrong about absence: a layer unused by the loss gets a zero gradient where the full batch leaves it None."""
 
-from _tiny import full_batch_loss, microbatches, right_step
-
 import torch
+from _tiny import full_batch_loss, microbatches, right_step
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

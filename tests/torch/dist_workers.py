@@ -20,9 +20,10 @@ import os
 import time
 from typing import Any
 
-import torch.distributed as dist
-
 import torch
+import torch.distributed as dist
+from torch import nn
+
 from gradagg.errors import CollectiveError, GradaggError, NonFiniteGradientError, WindowError
 from gradagg.reference import owner_sum
 from gradagg.torch import (
@@ -34,7 +35,6 @@ from gradagg.torch import (
     grad_norm,
     owner_reduce,
 )
-from torch import nn
 
 D_IN, D_H, B = 4, 3, 4  # input width, hidden width, samples per microbatch (equal sizes: see full_batch_grads)
 # Expert of each sample, per global microbatch. Microbatches 0-2 never use expert 2; microbatch 1 uses

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-import torch
 from gradagg.torch import Ownership, ShardSpec, clip_grad_norm_, count_collectives, grad_norm, owner_reduce
 
 

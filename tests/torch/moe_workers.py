@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import torch
 from gradagg.torch import Ownership, clip_grad_norm_, count_collectives, grad_norm
-from torch import nn
 
 D, H, T = 3, 4, 8  # model width, expert width, tokens in the global batch
 

@@ -6,8 +6,8 @@ import random
 
 import dist_workers as w
 import pytest
-
 import torch
+
 from gradagg.errors import GradaggError, NonFiniteGradientError, WindowError
 from gradagg.mutants import MICROBATCH_MEAN_MUTANTS
 from gradagg.reference import microbatch_mean

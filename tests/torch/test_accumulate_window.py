@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dist_workers as w
 import pytest
+import torch
 import train_workers as tw
 
-import torch
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator, count_collectives
 

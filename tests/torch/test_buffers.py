@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dist_workers as w
 import pytest
-
 import torch
+
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch._buffers import ReusableBuffer
 

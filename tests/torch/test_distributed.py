@@ -12,8 +12,8 @@ from typing import Any
 
 import dist_workers as w
 import pytest
-
 import torch
+
 from gradagg.mutants import OWNER_SUM_MUTANTS
 from gradagg.testing import launch_local_world, run_local_world
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import torch
 from hypothesis import given, settings
 
-import torch
 from gradagg.torch._flat import FlatLayout, ParamSpec
 
 SHAPES = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
+
 from gradagg.errors import CollectiveError, GradientShapeError, IdError, NonFiniteGradientError
 from gradagg.torch import Ownership, clip_grad_norm_, count_collectives, grad_norm
 

@@ -7,9 +7,9 @@ import sys
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import given, settings
 
-import torch
 from gradagg.errors import CollectiveError, GradientShapeError, GradientTypeError, IdError
 from gradagg.reference import owner_sum
 from gradagg.torch import Ownership, ShardSpec, count_collectives, owner_reduce

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from gradagg import mutants
 from gradagg.demo.data import valid_tokens
 from gradagg.demo.models import HEAD, MoE, Params, TokenLM, moe_loss, token_loss

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from gradagg.demo import approaches, data
 from gradagg.demo.approaches import GradaggRun, MoeGradagg, RankRows, TokenGradagg
 from gradagg.demo.models import (

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
+
 from gradagg.demo.models import DIM, DTYPE, IGNORE, VOCAB
 from gradagg.demo.options import Config
 

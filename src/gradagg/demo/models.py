@@ -15,9 +15,8 @@ import math
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.nn.functional as F
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Params = dict[str, torch.Tensor]

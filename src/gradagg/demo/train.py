@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-import torch
 from gradagg.demo import data, results
 from gradagg.demo.approaches import WRONG, GradaggRun, RankRows
 from gradagg.demo.cases import Case, make

@@ -7,11 +7,11 @@ gathered with ``full_tensor()``, a collective that every rank runs in the same o
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 import torch
-from gradagg.demo.models import Params
+import torch.distributed as dist
 from torch import nn
+
+from gradagg.demo.models import Params
 
 
 def wrap(module: nn.Module, how: str, units: list[nn.Module]) -> nn.Module:

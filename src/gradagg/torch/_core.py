@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from gradagg.errors import GradaggError, WindowError
 from gradagg.options import NonFinite
 from gradagg.torch import _finish

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
+
 from gradagg.errors import CollectiveError, GradaggError, NonFiniteGradientError, WindowError
 from gradagg.torch._flat import Counts, all_finite, real_dtype
 from gradagg.torch._window import (

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
 from gradagg.torch._buffers import ReusableBuffer
 
 Kind = Literal["all_reduce", "reduce_scatter", "external"]  # external: counted here, reduced elsewhere

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import torch
 from gradagg.errors import GradaggError
 from gradagg.torch.fsdp import is_dtensor
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 import torch
+
 from gradagg.errors import GradaggError
 
 OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER = range(9)

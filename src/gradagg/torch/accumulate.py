@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
+
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
 from gradagg.torch import _finish

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-import torch
 from gradagg.errors import CollectiveError
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group

@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from gradagg.errors import GradaggError
 from torch import nn
+
+from gradagg.errors import GradaggError
 
 Mode = Literal["window", "every_microbatch"]
 MODES: tuple[str, ...] = ("window", "every_microbatch")

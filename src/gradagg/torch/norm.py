@@ -34,6 +34,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
+
 from gradagg.errors import (
     CollectiveError,
     GradaggError,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+
 from gradagg.errors import CollectiveError, IdError
 from gradagg.torch._buffers import ReusableBuffer
 from gradagg.torch.collectives import (

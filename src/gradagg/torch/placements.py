@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+
 from gradagg.errors import PlacementError
 from gradagg.torch.collectives import Group, get_rank, is_distributed
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
+
 from gradagg.errors import CollectiveError, GradaggError, GradientShapeError, GradientTypeError, IdError
 from gradagg.torch.collectives import (
     Group,
