@@ -9,6 +9,7 @@ would give ((0) / 1 + (10 + 11 + 12) / 3) / 2 = 5.5.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,4 +33,5 @@ def train_step(counts: list[int]) -> tuple[float | None, list[float]]:
 
 if __name__ == "__main__":
     results = run_world(train_step, 2, [1, 3])  # (0 + 10 + 11 + 12) / M, M = 4
-    print(f"rank {os.environ['RANK']}: {results[0]}" if launched_by_torchrun() else results)
+    # One write per line: torchrun makes stdout unbuffered, and two ranks' print() calls could interleave.
+    sys.stdout.write(f"rank {os.environ['RANK']}: {results[0]}\n" if launched_by_torchrun() else f"{results}\n")

@@ -8,6 +8,7 @@ all-reduced over the replicas once, at the window's end.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -49,4 +50,6 @@ def train_step(counts: list[int]) -> str:
 
 if __name__ == "__main__":
     for r, line in enumerate(run_world(train_step, 4, [2, 0, 1, 3])):
-        print(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}")
+        # One write per line: torchrun makes stdout unbuffered, and print() writes the text and its newline
+        # separately, so two ranks' lines could interleave.
+        sys.stdout.write(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}\n")

@@ -10,6 +10,7 @@ microbatches (the mean of per-microbatch token means) gives.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,4 +72,6 @@ def _diff(a: nn.Module, b: nn.Module) -> float:
 
 if __name__ == "__main__":
     for r, line in enumerate(run_world(train_step, 2, [2, 3])):
-        print(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}")
+        # One write per line: torchrun makes stdout unbuffered, and print() writes the text and its newline
+        # separately, so two ranks' lines could interleave.
+        sys.stdout.write(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}\n")
