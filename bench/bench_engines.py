@@ -69,6 +69,7 @@ def floor_runner(columns: list[Any]) -> Runner:
 
 def gradagg_runners(d: dict[str, Any]) -> dict[str, Runner]:
     import torch
+
     from gradagg import engine
     from gradagg.backends import numpy as nb
     from gradagg.engine import owner_sum_columns
@@ -133,8 +134,8 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     import pandas as pd
     import polars as pl
     import pyarrow as pa
-
     import torch
+
     from gradagg.backends import numpy as nb
     from gradagg.engine import microbatch_mean_columns
 

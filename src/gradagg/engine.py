@@ -448,7 +448,9 @@ def resolve_engine(engine: str, sample: Any) -> str:
         sample: the gradients column (or values), whose kind decides ``"auto"``.
 
     Returns:
-        ``"python"``, ``"numpy"`` or ``"torch"``.
+        ``"python"``, ``"numpy"`` or ``"torch"``; for buffer columns (the native
+        Parquet reader's, ``memoryview``, ``array.array``) ``"auto"`` is
+        ``"native"`` (:mod:`gradagg.backends.native`, compiled) where it is built.
 
     Raises:
         GradaggError: an unknown engine, or one whose framework is not installed.
@@ -457,8 +459,11 @@ def resolve_engine(engine: str, sample: Any) -> str:
     'python'
     """
     if check_engine(engine) == "auto":
-        if _kind(sample) == "torch":
+        kind = _kind(sample)
+        if kind == "torch":
             return "torch"
+        if kind == "buffer" and _import("gradagg.backends.native").available():
+            return "native"
         return "numpy" if _importable("numpy") else "python"
     if engine != "python" and not _importable(engine):
         raise GradaggError(f"engine={engine!r} needs the {engine} package, which is not installed")
@@ -482,12 +487,16 @@ class _Route:
 
     def ids_in(self, x: Any) -> Any:
         """Ids for the backend: NumPy for numpy (torch viewed without a copy on CPU); else as given."""
+        if _kind(x) == "buffer" and self.backend_name not in ("native", "python"):
+            return _numpy_of_buffer(x)
         return _numpy_of(x) if self.backend_name == "numpy" and _kind(x) == "torch" else x
 
     def numbers_in(self, x: Any) -> Any:
         """Gradients, values or masks in the backend's array kind (``None`` stays ``None``)."""
-        if x is None or self.backend_name == "python":
+        if x is None or self.backend_name in ("python", "native"):
             return x
+        if _kind(x) == "buffer":
+            x = _numpy_of_buffer(x)
         if self.backend_name == "numpy":
             return _numpy_of(x) if _kind(x) == "torch" else x
         return x if _kind(x) == "torch" else _tensor_of(x, self.device)
@@ -538,11 +547,28 @@ def _tensor_of(x: Any, device: Any) -> Any:
 
 
 def _kind(x: Any) -> str:
-    """Classify an input without importing any framework: by its type's module."""
+    """Classify an input without importing any framework: by its type's module.
+
+    ``"buffer"``: a typed ``memoryview``, an ``array.array``, or a dictionary-encoded
+    buffer column (``values`` a memoryview, ``indices`` one or None), as the native
+    Parquet reader yields (:class:`gradagg.formats.parquet_native.Column`).
+    """
     root = type(x).__module__.split(".")[0]
     if root in ("torch", "numpy", "pyarrow"):
         return {"pyarrow": "arrow"}.get(root, root)
+    if isinstance(x, memoryview) or root == "array" or isinstance(getattr(x, "values", None), memoryview):
+        return "buffer"
     return "list" if isinstance(x, (list, tuple)) else "other"
+
+
+def _numpy_of_buffer(x: Any) -> Any:
+    """A NumPy array of a buffer column (a view; a dictionary-encoded column is taken through its indices)."""
+    np = _import("numpy")
+    values = memoryview(getattr(x, "values", x))
+    array = np.frombuffer(values, dtype=np.dtype(values.format)) if values.nbytes else np.empty(
+        0, dtype=np.dtype(values.format))
+    indices = getattr(x, "indices", None)
+    return array if indices is None else array.take(np.frombuffer(memoryview(indices), dtype=np.uint32))
 
 
 def _first_item(values: Any) -> Any:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 import gradagg
-import torch
 from gradagg.backends import numpy as numpy_backend
 from gradagg.backends import python as python_backend
 from gradagg.backends import torch as torch_backend

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from engine_inputs import FUZZ, IMPLS, bits, messy_rows, microbatch_rows, owner_rows, variant
 from hypothesis import given
 from hypothesis import strategies as st
 
-import torch
 from gradagg import reference
 from gradagg.engine import (
     MicrobatchMeanAccumulator,

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 import torch
+
 from gradagg import engine as engine_module
 from gradagg import mutants, reference
 from gradagg.backends import _kernels, _tables

@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 import torch
+
 from gradagg.backends import _checks, _factor, _strings
 from gradagg.errors import (
     GradientShapeError,
