@@ -1,16 +1,19 @@
 """End to end on the command line: ``gradagg owner-sum FILE.parquet`` against DuckDB's SQL over the same file.
 
-Every command is a whole process, start-up included, as a user would run it;
-two floor rows show what any pyarrow-based command pays before aggregating
-(importing pyarrow.parquet; decoding every row group). Both sides write the
-full result (JSON/CSV text to stdout, sent to /dev/null, or a Parquet file).
+Every command is a whole process, start-up included, as a user would run it.
+gradagg reads a file its native decoder takes (``gradagg._native``: C, no
+pyarrow, no NumPy) natively, any other with pyarrow; a row measures the pyarrow
+path on the same file (``GRADAGG_NATIVE=0``), and two floor rows show what any
+pyarrow-based command pays before aggregating (importing pyarrow.parquet;
+decoding every row group). Both sides write the full result (JSON/CSV text to
+stdout, sent to /dev/null, or a JSON or Parquet file).
 Peak resident memory is each command's own, from GNU ``time -f %M``: a child's
 ``ru_maxrss`` from ``os.wait4`` would start at this (large) script's RSS at
 fork time, which Linux carries across ``exec``. The data is seeded and generated in row groups of 2^20 rows, so
 generation itself stays in bounded memory; files live in ``bench/data/``
 (git-ignored) and are reused while their recorded parameters match.
 
-    flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_cli.py            # the full run (~5 min)
+    flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_cli.py            # the full run (~6 min)
     .venv/bin/python bench/bench_cli.py --rows 1000000 --big-rows 0 --repeat 3  # a quick look
 
 The table goes to stdout as Markdown; ``bench/RESULTS.md`` records a run.
@@ -140,13 +143,15 @@ def medians(commands: dict[str, list[str]], repeat: int) -> dict[str, Run]:
     }
 
 
-def gradagg_cmd(path: Path, out: Path | None = None) -> list[str]:
-    return [sys.executable, "-m", "gradagg", "owner-sum", str(path), "--quiet", *(["-o", str(out)] if out else [])]
+def gradagg_cmd(path: Path, out: Path | None = None, native: bool = True) -> list[str]:
+    """``gradagg owner-sum``; ``native=False`` runs it with ``GRADAGG_NATIVE=0`` (the pyarrow and NumPy path)."""
+    cmd = [sys.executable, "-m", "gradagg", "owner-sum", str(path), "--quiet", *(["-o", str(out)] if out else [])]
+    return cmd if native else ["env", "GRADAGG_NATIVE=0", *cmd]
 
 
 def duckdb_cmd(path: Path, out: Path | None = None) -> list[str]:
-    """DuckDB as a whole process too: the same SQL, the result written as CSV to stdout or as Parquet."""
-    target, fmt = ("/dev/stdout", "csv") if out is None else (str(out), "parquet")
+    """DuckDB as a whole process too: the same SQL, the result written as CSV to stdout, or as JSON or Parquet."""
+    target, fmt = ("/dev/stdout", "csv") if out is None else (str(out), out.suffix.lstrip("."))
     sql = f"COPY ({DUCK_SQL.format(src=path)}) TO '{target}' (FORMAT {fmt})"
     return [sys.executable, "-c", f"import duckdb; duckdb.sql({sql!r})"]
 
@@ -235,14 +240,18 @@ def main() -> None:
         empty = owner_file(0, 1, 0)
         start = medians({"g": gradagg_cmd(empty), "d": duckdb_cmd(empty)}, args.repeat)
         lines.append(row("start-up: empty file, result to stdout", start["g"], start["d"]))
+        outputs = (("result to stdout", None), ("-o result.json", tmp / "out.json"),
+                   ("-o result.parquet", tmp / "out.parquet"))
         for shards in (1000, 1_000_000):
             path = owner_file(n, shards, seed=shards)
-            for label, out in (("result to stdout", None), ("-o result.parquet", tmp / "out.parquet")):
+            for label, out in outputs:
                 cmds = {"g": gradagg_cmd(path, out), "d": duckdb_cmd(path, out)}
                 floor = shards == 1000 and out is None
-                got = medians({**cmds, **(pyarrow_floor_cmds(path) if floor else {})}, args.repeat)
+                extra = {"p": gradagg_cmd(path, out, native=False), **pyarrow_floor_cmds(path)} if floor else {}
+                got = medians({**cmds, **extra}, args.repeat)
                 lines.append(row(f"{n:.0e} rows, shard ids < {shards:.0e}, {label}", got["g"], got["d"]))
-                if floor:  # side by side in the same run: the part of gradagg's time that is pyarrow's own
+                if floor:  # side by side in the same run: the pyarrow path, and the part of it that is pyarrow's
+                    lines.append(row("(same, the pyarrow path: GRADAGG_NATIVE=0)", got["p"], got["d"]))
                     lines.append(row("(floor) python -c 'import pyarrow.parquet'", got["import"], got["d"]))
                     lines.append(row(f"(floor) pyarrow reads the {n:.0e}-row file, no aggregation", got["read"],
                                      got["d"]))

@@ -250,10 +250,17 @@ def _is_parquet(output: str | None) -> bool:
 
 
 def _owner_sum_parquet(args: argparse.Namespace, progress: Any) -> tuple[Any, Any]:
-    """Owner-sum over the Parquet input ``args.source`` (a path, or standard input as a file): (shards, totals)."""
-    from gradagg.engine import owner_sum_batches
+    """Owner-sum over the Parquet input ``args.source`` (a path, or standard input as a file): (shards, totals).
 
-    batches = _parquet().owner_batches(args.source, progress=progress)
+    The native reader takes the file when it can (decided from the footer, before any row): no pyarrow, no
+    NumPy; otherwise pyarrow reads all of it. Either way the engine then chooses the backend.
+    """
+    from gradagg.engine import owner_sum_batches
+    from gradagg.formats import parquet_native
+
+    batches = parquet_native.owner_batches(args.source, progress=progress)
+    if batches is None:
+        batches = _parquet().owner_batches(args.source, progress=progress)
     return owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)  # type: ignore[no-any-return]
 
 

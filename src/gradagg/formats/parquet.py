@@ -39,9 +39,7 @@ is an error naming it. The file appears all at once (temporary file, rename).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from queue import Full, Queue
 from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
@@ -50,6 +48,7 @@ import pyarrow.parquet as pq
 
 from gradagg.errors import FormatError, short_repr
 from gradagg.formats import arrow
+from gradagg.formats._readahead import read_ahead
 from gradagg.formats.atomic import atomic_path
 
 T = TypeVar("T")
@@ -176,7 +175,7 @@ def _batches(
     batches = _record_batches(pf, columns, max(1, row_bytes))
     done = 0
     try:
-        for n, prepared in _read_ahead((b.num_rows, prepare(b)) for b in batches):
+        for n, prepared in read_ahead((b.num_rows, prepare(b)) for b in batches):
             yield prepared
             done += n
             if progress is not None:
@@ -202,53 +201,6 @@ def _record_batches(pf: pq.ParquetFile, columns: list[str] | None, row_bytes: in
             yield from pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
 
 
-def _read_ahead(batches: Iterator[T], depth: int = 1) -> Iterator[T]:
-    """The same items, produced on a thread while the caller reduces the previous one.
-
-    pyarrow decodes without holding the GIL and NumPy's loops mostly release
-    it, so on two cores reading and reducing overlap. At most ``depth`` decoded
-    batches wait in the queue, so memory stays bounded (one waiting, one being
-    decoded, one being reduced: a deeper queue measured no faster). An exception while
-    reading is raised here, in the caller's thread.
-    """
-    queue: Queue[tuple[str, Any]] = Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if not _put(queue, stop, ("batch", batch)):
-                    return  # the caller stopped early (an error in its reduction)
-            _put(queue, stop, ("end", None))
-        except BaseException as exc:  # handed to the caller, who re-raises it
-            _put(queue, stop, ("error", exc))
-
-    thread = threading.Thread(target=produce, name="gradagg-parquet-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            kind, value = queue.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        stop.set()
-        thread.join()
-
-
-def _put(queue: Queue[tuple[str, Any]], stop: threading.Event, item: tuple[str, Any]) -> bool:
-    """Put ``item`` unless ``stop`` is set first; polls so that a stopped caller never leaves the thread blocked."""
-    while not stop.is_set():
-        try:
-            queue.put(item, timeout=0.05)
-            return True
-        except Full:
-            continue
-    return False
-
-
 def _source(path: Source) -> str:
     return path if isinstance(path, str) and path != "-" else "<stdin>"
 
@@ -261,8 +213,8 @@ def write_owner_sum(path: str, shards: Any, totals: Any) -> None:
 
     Args:
         path: the output file.
-        shards: S shard ids (a NumPy array, or a list of ints or strings).
-        totals: S totals (a NumPy array, or a list of numbers or of vectors of one length D).
+        shards: S shard ids (a NumPy array or ``array.array``, or a list of ints or strings).
+        totals: S totals (a NumPy array or ``array.array``, or a list of numbers or of vectors of one length D).
 
     Raises:
         FormatError: what a Parquet column cannot hold exactly, named: totals
@@ -275,6 +227,7 @@ def write_owner_sum(path: str, shards: Any, totals: Any) -> None:
     >>> pq.read_table(path).column("total").to_pylist()
     [9007199254740993, 3]
     """
+    shards, totals = _numpy_if_typed(shards), _numpy_if_typed(totals)
     ids = _ids_array(shards)
     table = pa.Table.from_arrays([ids, _totals_array(shards, totals)], names=["shard_id", "total"])
     _write(path, table)
@@ -295,6 +248,11 @@ def write_mean(path: str, means: Any) -> None:
 def _write(path: str, table: pa.Table) -> None:
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+
+
+def _numpy_if_typed(x: Any) -> Any:
+    """An ``array.array`` (the native backend's results) as a NumPy view, so no Python number is made per row."""
+    return np.frombuffer(x, dtype=x.typecode) if type(x).__module__ == "array" and len(x) else x
 
 
 def _ids_array(shards: Any) -> Any:
