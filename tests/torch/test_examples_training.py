@@ -43,3 +43,18 @@ def test_fsdp2_example_as_a_script() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("counts [0, 3], D = 15; .grad is a DTensor") == 2
     assert all(e <= 1e-12 for e in _errors(proc.stdout)) and len(_errors(proc.stdout)) == 2
+
+
+def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
+    """bench/nccl_check.py: a stated skip (exit 0) without CUDA; with --gloo its five checks pass on 4 CPU ranks."""
+    import torch
+
+    if not torch.cuda.is_available():
+        skipped = subprocess.run([sys.executable, "bench/nccl_check.py"], capture_output=True, text=True, cwd=ROOT,
+                                 env=LOOPBACK, timeout=120)
+        assert skipped.returncode == 0 and "skipped: no CUDA device" in skipped.stdout, skipped.stderr[-2000:]
+    done = subprocess.run([sys.executable, "bench/nccl_check.py", "--gloo"], capture_output=True, text=True,
+                          cwd=ROOT, env=LOOPBACK, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    checks = re.findall(r"max error ([0-9.e+-]+)\s+ok$", done.stdout, re.M)
+    assert len(checks) == 5 and all(float(e) <= 1e-10 for e in checks), done.stdout
