@@ -116,6 +116,23 @@ def test_accumulator_in_batches_equals_one_shot(impl: str) -> None:
         acc.update(*((torch.zeros(1, 3),) if impl.startswith("torch") else (np.zeros((1, 3)),)))
 
 
+def test_accumulator_refuses_a_batch_of_another_numeric_kind(impl: str) -> None:
+    """Integer sums are exact, float sums are float64: a batch that switches kind is named, never silently cast.
+
+    The reference itself adds Python ints and floats as Python does, so the python engine gives its answer.
+    """
+    acc = MicrobatchMeanAccumulator(engine=impl.split("-")[0])
+    ints, floats = np.array([[1, 2]], dtype=np.int64), np.array([[0.5, 1.5]])
+    wrap = torch.from_numpy if impl.startswith("torch") else (lambda a: a)
+    acc.update(wrap(ints))
+    if impl == "python":
+        acc.update(floats)
+        assert acc.result().tolist() == reference.microbatch_mean([[1, 2], [0.5, 1.5]]) == [0.75, 1.75]
+        return
+    with pytest.raises(GradientTypeError, match=r"microbatch 1: values are .*float64 here but .*int64 sums before"):
+        acc.update(wrap(floats))
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_list_of_tensors_form(kind: str) -> None:
     """Per-parameter tensors with None for absent: mean over M=2; a never-present parameter is a 0-d zero."""

@@ -227,6 +227,23 @@ def check_finite_values(values: Array, present: Array | None, offset: int, param
         raise nonfinite_error(f"microbatch {offset + i}, parameter {parameter_offset + j}", values[i, j])
 
 
+def check_like_first_microbatch(m: int, width: int, first_width: int, integers: bool, first_integers: bool,
+                               found: str, before: str) -> None:
+    """The one rule for every batch of microbatches after the first: as many values, and the same numeric kind.
+
+    Args:
+        m: the index of the batch's first microbatch.
+        width, first_width: P of this batch and of microbatch 0.
+        integers, first_integers: whether this batch's values and the sums so far are integers.
+        found, before: the two types as the backend names them (e.g. ``float32``, ``float64``).
+    """
+    if width != first_width:
+        raise RowShapeError(f"microbatch {m}: has {width} values, expected {first_width} (from microbatch 0)")
+    if integers != first_integers:
+        raise GradientTypeError(f"microbatch {m}: values are {found} here but {before} sums before; "
+                                "feed one numeric kind (integers or floats)")
+
+
 def check_int_headroom(gradients: Array, totals_absmax: int) -> None:
     """Refuse counted integer gradients whose totals could overflow int64 (a cheap, safe bound)."""
     if gradients.dtype.kind != "i" or gradients.size == 0:

@@ -16,7 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gradagg.backends import _checks, _kernels
-from gradagg.errors import GradientShapeError, GradientTypeError, RowShapeError
+from gradagg.errors import GradientShapeError, RowShapeError
 from gradagg.options import check_nonfinite
 
 Array = NDArray[Any]
@@ -103,15 +103,9 @@ class MicrobatchMeanAccumulator:
         kind = np.int64 if v.dtype.kind == "i" else np.float64
         if self._sums is None:
             self._sums = np.zeros(v.shape[1], dtype=kind)  # +0.0 for floats, as the reference's int 0 start
-        elif v.shape[1] != len(self._sums):
-            raise RowShapeError(
-                f"microbatch {self._m}: has {v.shape[1]} values, expected {len(self._sums)} (from microbatch 0)"
-            )
-        elif self._sums.dtype != kind:
-            raise GradientTypeError(
-                f"microbatch {self._m}: values are {v.dtype.name} here but {self._sums.dtype.name} sums before; "
-                "feed one numeric kind (integers or floats)"
-            )
+        else:
+            _checks.check_like_first_microbatch(self._m, v.shape[1], len(self._sums), kind == np.int64,
+                                                self._sums.dtype == np.int64, v.dtype.name, self._sums.dtype.name)
         if kind == np.int64:
             _checks.check_int_headroom(v if mask is None else v[mask], int(np.abs(self._sums).max(initial=0)))
         _add_rows(self._sums, v, mask)

@@ -316,15 +316,9 @@ class MicrobatchMeanAccumulator:
         kind = torch.float64 if v.is_floating_point() else torch.int64  # integers summed exactly, as the reference
         if self._sums is None:
             self._sums = torch.zeros(v.shape[1], dtype=kind, device=v.device)
-        elif v.shape[1] != len(self._sums):
-            raise RowShapeError(
-                f"microbatch {self._m}: has {v.shape[1]} values, expected {len(self._sums)} (from microbatch 0)"
-            )
-        elif self._sums.dtype != kind:
-            raise GradientTypeError(
-                f"microbatch {self._m}: values are {v.dtype} here but {self._sums.dtype} sums before; "
-                "feed one numeric kind (integers or floats)"
-            )
+        else:
+            _checks.check_like_first_microbatch(self._m, v.shape[1], len(self._sums), kind == torch.int64,
+                                                self._sums.dtype == torch.int64, str(v.dtype), str(self._sums.dtype))
         if kind == torch.int64:
             counted = v if mask is None else v[mask]
             _checks.check_int_headroom(counted.cpu().numpy(), int(self._sums.abs().max()) if len(self._sums) else 0)
