@@ -12,9 +12,8 @@ import io
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -22,9 +21,8 @@ from gradagg import cli as gradagg_cli
 from gradagg.verify import MICROBATCH_MEAN_DOCUMENT, OWNER_SUM_DOCUMENT, Case
 
 
-@dataclass(frozen=True)
-class Run:
-    """One run of the command line: exit status, standard output and standard error."""
+class Run(NamedTuple):
+    """One run of the command line: exit status, standard output and standard error (a tuple of the three)."""
 
     status: int
     out: str

@@ -25,21 +25,11 @@ np = pytest.importorskip("numpy")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from gradagg import cli, reference  # noqa: E402  (after the importorskips)
+from gradagg import reference  # noqa: E402  (after the importorskips)
 from gradagg.progress import ProgressLine  # noqa: E402
 
 FORMATS = ["json", "jsonl", "csv", "parquet"]
 ENGINES = ["auto", "python", "numpy", "torch"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``gradagg ARGS`` in this process: (exit status, stdout, stderr)."""
-    try:
-        status = cli.main(list(args))
-    except SystemExit as exc:
-        status = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def assert_one_line_error(status: int, out: str, err: str, fragment: str) -> None:
@@ -113,76 +103,76 @@ def write_mean(tmp_path: Path, rows: list[list[Any]], fmt: str) -> str:
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_owner_sum_every_format_and_engine(tmp_path: Path, capsys: Any, fmt: str, engine: str) -> None:
+def test_owner_sum_every_format_and_engine(tmp_path: Path, cli: Any, fmt: str, engine: str) -> None:
     """Float totals equal the reference's exactly: every engine adds a shard's rows in row order."""
     skip_missing(engine)
     rows = owner_rows(1)
-    status, out, err = run(capsys, "owner-sum", write_owner(tmp_path, rows, fmt), "--engine", engine)
+    status, out, err = cli("owner-sum", write_owner(tmp_path, rows, fmt), "--engine", engine)
     assert status == 0, err
     assert json.loads(out) == reference.owner_sum(rows)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fmt", ["json", "parquet"])
-def test_owner_sum_vector_gradients(tmp_path: Path, capsys: Any, fmt: str, engine: str) -> None:
+def test_owner_sum_vector_gradients(tmp_path: Path, cli: Any, fmt: str, engine: str) -> None:
     skip_missing(engine)
     rows = owner_rows(2, dim=3)
-    status, out, err = run(capsys, "owner-sum", write_owner(tmp_path, rows, fmt, dim=3), "--engine", engine)
+    status, out, err = cli("owner-sum", write_owner(tmp_path, rows, fmt, dim=3), "--engine", engine)
     assert status == 0, err
     assert json.loads(out) == reference.owner_sum(rows)
 
 
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
-def test_integer_gradients_stay_exact(tmp_path: Path, capsys: Any, engine: str) -> None:
+def test_integer_gradients_stay_exact(tmp_path: Path, cli: Any, engine: str) -> None:
     """Integer ids and gradients beyond 2^53 from JSON: the engines sum in int64, exactly."""
     skip_missing(engine)
     rows = [[2, 0, 0, 2**60], [2, 0, 0, 1], [1, 3, 1, 5], [1, 1, 1, -7]]
     path = tmp_path / "ints.json"
     path.write_text(json.dumps(rows))
-    status, out, err = run(capsys, "owner-sum", str(path), "--engine", engine)
+    status, out, err = cli("owner-sum", str(path), "--engine", engine)
     assert status == 0, err
     assert json.loads(out) == [[1, -7], [2, 2**60 + 1]] == reference.owner_sum(rows)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_mean_every_format_and_engine(tmp_path: Path, capsys: Any, fmt: str, engine: str) -> None:
+def test_mean_every_format_and_engine(tmp_path: Path, cli: Any, fmt: str, engine: str) -> None:
     """Absent (null) counts as zero, the divisor is M = 4: equal to the reference's means."""
     skip_missing(engine)
     rows = mean_rows(3)
-    status, out, err = run(capsys, "mean", write_mean(tmp_path, rows, fmt), "--engine", engine)
+    status, out, err = cli("mean", write_mean(tmp_path, rows, fmt), "--engine", engine)
     assert status == 0, err
     assert json.loads(out) == reference.microbatch_mean(rows)
 
 
 @pytest.mark.parametrize("contract", ["owner-sum", "mean"])
-def test_empty_parquet_file(tmp_path: Path, capsys: Any, contract: str) -> None:
+def test_empty_parquet_file(tmp_path: Path, cli: Any, contract: str) -> None:
     if contract == "owner-sum":
         path = write_owner(tmp_path, owner_rows(4, 0), "parquet")
     else:
         path = str(tmp_path / "empty.parquet")
         pq.write_table(pa.table({"mb0": pa.array([], pa.float64())}), path)
-    assert run(capsys, contract, path) == (0, "[]\n", "")
+    assert cli(contract, path) == (0, "[]\n", "")
 
 
 # --- Parquet output ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["json", "parquet"])
-def test_owner_sum_output_parquet_roundtrip(tmp_path: Path, capsys: Any, fmt: str) -> None:
+def test_owner_sum_output_parquet_roundtrip(tmp_path: Path, cli: Any, fmt: str) -> None:
     rows = owner_rows(5, dim=2)
     out = tmp_path / "out.parquet"
-    assert run(capsys, "owner-sum", write_owner(tmp_path, rows, fmt, dim=2), "-o", str(out)) == (0, "", "")
+    assert cli("owner-sum", write_owner(tmp_path, rows, fmt, dim=2), "-o", str(out)) == (0, "", "")
     table = pq.ParquetFile(out).read()
     assert [
         [s, t] for s, t in zip(*(table.column(c).to_pylist() for c in ("shard_id", "total")))
     ] == reference.owner_sum(rows)
 
 
-def test_mean_output_parquet_roundtrip(tmp_path: Path, capsys: Any) -> None:
+def test_mean_output_parquet_roundtrip(tmp_path: Path, cli: Any) -> None:
     rows = mean_rows(6)
     out = tmp_path / "out.parquet"
-    assert run(capsys, "mean", write_mean(tmp_path, rows, "csv"), "-o", str(out)) == (0, "", "")
+    assert cli("mean", write_mean(tmp_path, rows, "csv"), "-o", str(out)) == (0, "", "")
     table = pq.ParquetFile(out).read()
     assert table.column("mean").to_pylist() == reference.microbatch_mean(rows)
     assert table.column("parameter").to_pylist() == list(range(60))
@@ -198,42 +188,42 @@ def parquet_with_null(tmp_path: Path, column: int, row: int) -> str:
 
 
 @pytest.mark.parametrize("engine", ["auto", "python", "torch"])
-def test_null_id_names_row_and_column(tmp_path: Path, capsys: Any, engine: str) -> None:
+def test_null_id_names_row_and_column(tmp_path: Path, cli: Any, engine: str) -> None:
     skip_missing(engine)
     path = parquet_with_null(tmp_path, 2, 17)
-    assert_one_line_error(*run(capsys, "owner-sum", path, "--engine", engine), "row 17: owner_id is null")
+    assert_one_line_error(*cli("owner-sum", path, "--engine", engine), "row 17: owner_id is null")
 
 
-def test_nan_with_nonfinite_raise(tmp_path: Path, capsys: Any) -> None:
+def test_nan_with_nonfinite_raise(tmp_path: Path, cli: Any) -> None:
     rows = [["a", "r0", "r0", 1.0], ["a", "r0", "r0", float("nan")]]
     path = write_owner(tmp_path, rows, "parquet")
     assert_one_line_error(
-        *run(capsys, "owner-sum", path, "--nonfinite", "raise"), "row 1: gradient of shard 'a' is nan"
+        *cli("owner-sum", path, "--nonfinite", "raise"), "row 1: gradient of shard 'a' is nan"
     )
-    status, out, _ = run(capsys, "owner-sum", path)  # the default propagates: NaN is a value
+    status, out, _ = cli("owner-sum", path)  # the default propagates: NaN is a value
     assert status == 0 and out == '[["a", NaN]]\n'
 
 
-def test_wrong_schema_names_column(tmp_path: Path, capsys: Any) -> None:
+def test_wrong_schema_names_column(tmp_path: Path, cli: Any) -> None:
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"shard_id": [1], "worker_id": [0], "owner_id": [0], "gradient": ["0.5"]}), path)
     assert_one_line_error(
-        *run(capsys, "owner-sum", str(path)),
+        *cli("owner-sum", str(path)),
         "column 'gradient' has type string, expected a float or integer type",
     )
     assert_one_line_error(
-        *run(capsys, "mean", str(path)), "column 'gradient' has type string, expected a float or integer type (the mean"
+        *cli("mean", str(path)), "column 'gradient' has type string, expected a float or integer type (the mean"
     )
 
 
-def test_failure_leaves_no_partial_output(tmp_path: Path, capsys: Any) -> None:
+def test_failure_leaves_no_partial_output(tmp_path: Path, cli: Any) -> None:
     """A failing input never creates -o's file nor replaces an old one, and leaves no temporary file."""
     path = parquet_with_null(tmp_path, 3, 40)
     fresh, old = tmp_path / "fresh.parquet", tmp_path / "old.parquet"
     old.write_bytes(b"previous result")
     before = sorted(p.name for p in tmp_path.iterdir())
     for out in (fresh, old):
-        assert_one_line_error(*run(capsys, "owner-sum", path, "-o", str(out)), "row 40: gradient is null")
+        assert_one_line_error(*cli("owner-sum", path, "-o", str(out)), "row 40: gradient is null")
     assert sorted(p.name for p in tmp_path.iterdir()) == before and old.read_bytes() == b"previous result"
 
 
@@ -293,8 +283,8 @@ def test_no_progress_on_a_terminal_for_short_input_or_with_quiet(tmp_path: Path,
     assert proc.returncode == 0 and err == b"" and json.loads(proc.stdout)
 
 
-def test_help_names_engines_and_auto_choice(capsys: Any) -> None:
-    status, out, _ = run(capsys, "owner-sum", "--help")
+def test_help_names_engines_and_auto_choice(cli: Any) -> None:
+    status, out, _ = cli("owner-sum", "--help")
     flat = " ".join(out.split())
     assert status == 0 and "{auto,python,numpy,torch}" in flat and "streaming numpy engine for Parquet" in flat
 
@@ -322,54 +312,54 @@ BIG_INT_ROWS = [["x", "a", "a", 1], ["y", "a", "a", 0.5], ["x", "a", "a", 2**53 
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_exact_integer_totals_beside_floats(tmp_path: Path, capsys: Any, engine: str) -> None:
+def test_exact_integer_totals_beside_floats(tmp_path: Path, cli: Any, engine: str) -> None:
     """x's gradients are all ints: its total is the exact 9007199254740994 on every engine, not 2**53 as a float."""
     skip_missing(engine)
-    status, out, err = run(capsys, "owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "--engine", engine)
+    status, out, err = cli("owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "--engine", engine)
     assert (status, err) == (0, "") and out == '[["x", 9007199254740994], ["y", 0.5]]\n'
 
 
-def test_parquet_output_never_rounds_an_exact_integer_total(tmp_path: Path, capsys: Any) -> None:
+def test_parquet_output_never_rounds_an_exact_integer_total(tmp_path: Path, cli: Any) -> None:
     """An int total beside float ones cannot share a float64 column unrounded: refused; all-int totals stay int64."""
     out = tmp_path / "out.parquet"
-    assert_one_line_error(*run(capsys, "owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "-o", str(out)),
+    assert_one_line_error(*cli("owner-sum", write_json(tmp_path, "rows.json", BIG_INT_ROWS), "-o", str(out)),
                           "shard 'x' has the exact integer total 9007199254740994")
     assert not out.exists()
     ints = [["x", "a", "a", 2**53], ["x", "a", "a", 1], ["y", "b", "b", 3]]
-    assert run(capsys, "owner-sum", write_json(tmp_path, "ints.json", ints), "-o", str(out)) == (0, "", "")
+    assert cli("owner-sum", write_json(tmp_path, "ints.json", ints), "-o", str(out)) == (0, "", "")
     assert pq.read_table(out).column("total").to_pylist() == [2**53 + 1, 3]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fmt", ["json", "parquet"])
-def test_ids_differing_by_a_trailing_nul(tmp_path: Path, capsys: Any, engine: str, fmt: str) -> None:
+def test_ids_differing_by_a_trailing_nul(tmp_path: Path, cli: Any, engine: str, fmt: str) -> None:
     """'a' and 'a\\0' are two shards; worker 'w\\0' is not owner 'w', so its row is a replica and never counts."""
     skip_missing(engine)
     rows = [["a", "w", "w", 1.0], ["a\x00", "w", "w", 2.0], ["a", "w\x00", "w", 4.0]]
     path = write_owner(tmp_path, rows, "parquet") if fmt == "parquet" else write_json(tmp_path, "rows.json", rows)
-    status, out, err = run(capsys, "owner-sum", path, "--engine", engine)
+    status, out, err = cli("owner-sum", path, "--engine", engine)
     assert status == 0, err
     assert json.loads(out) == reference.owner_sum(rows) == [["a", 1.0], ["a\x00", 2.0]]
 
 
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
-def test_integers_beyond_int64_on_fixed_width_engines(tmp_path: Path, capsys: Any, engine: str, value: int) -> None:
+def test_integers_beyond_int64_on_fixed_width_engines(tmp_path: Path, cli: Any, engine: str, value: int) -> None:
     """As an id it is an exact key (the reference's answer); as a gradient the fixed-width engines cannot sum it:
     one line naming it and pointing to --engine python (which sums it), no traceback."""
     skip_missing(engine)
     as_id = write_json(tmp_path, "id.json", [[value, 0, 0, 1.5]])
-    assert run(capsys, "owner-sum", as_id, "--engine", engine) == (0, f"[[{value}, 1.5]]\n", "")
+    assert cli("owner-sum", as_id, "--engine", engine) == (0, f"[[{value}, 1.5]]\n", "")
     as_gradient = write_json(tmp_path, "gradient.json", [[1, 0, 0, value]])
-    status, out, err = run(capsys, "owner-sum", as_gradient, "--engine", engine)
+    status, out, err = cli("owner-sum", as_gradient, "--engine", engine)
     assert_one_line_error(status, out, err, f"{value}")
     assert "beyond int64" in err and "engine='python'" in err
-    assert run(capsys, "owner-sum", as_gradient, "--engine", "python") == (0, f"[[1, {value}]]\n", "")
+    assert cli("owner-sum", as_gradient, "--engine", "python") == (0, f"[[1, {value}]]\n", "")
 
 
-def test_lone_surrogate_id_to_parquet_is_refused(tmp_path: Path, capsys: Any) -> None:
+def test_lone_surrogate_id_to_parquet_is_refused(tmp_path: Path, cli: Any) -> None:
     """JSON can carry a lone surrogate (\\ud800); UTF-8, so Parquet, cannot: one line, and no file left behind."""
     path = write_json(tmp_path, "rows.json", [["\ud800", "a", "a", 1.0]])
     out = tmp_path / "out.parquet"
-    assert_one_line_error(*run(capsys, "owner-sum", path, "-o", str(out)), "lone surrogate")
+    assert_one_line_error(*cli("owner-sum", path, "-o", str(out)), "lone surrogate")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

@@ -14,7 +14,6 @@ Runs are in-process (the ``cli`` fixture) for speed; a few real processes check 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -127,7 +126,7 @@ def run_file(cli: Cli, name: str, content: bytes, contract: str, *more: str) -> 
         run = cli(contract, str(path), *more, "-o", str(out))
         assert run.out == "" and (run.status == 0) == (out.read_text() != "old\n"), run
         assert sorted(os.listdir(tmp)) == sorted([name, "out.json"]), "a temporary file was left behind"
-        return dataclasses.replace(run, out=out.read_text() if run.status == 0 else "")
+        return run._replace(out=out.read_text() if run.status == 0 else "")
 
 
 def run_everywhere(cli: Cli, contract: str, name: str, content: bytes, expected: str | None, *more: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from typing import Any
 
 import pytest
@@ -25,7 +24,9 @@ np = pytest.importorskip("numpy")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from gradagg import cli, reference  # noqa: E402  (after the importorskips)
+from engine_inputs import bits  # noqa: E402  (tests/engines, on the pytest pythonpath)
+
+from gradagg import reference  # noqa: E402  (after the importorskips)
 from gradagg.engine import microbatch_mean_batches, owner_sum_batches  # noqa: E402
 from gradagg.errors import GradaggError  # noqa: E402
 from gradagg.formats import parquet  # noqa: E402
@@ -115,18 +116,6 @@ def mean_files(draw: Any) -> tuple[Any, dict[str, Any]]:
     return pa.table(cols) if cols else pa.table({}), options
 
 
-def bits(x: Any) -> Any:
-    if isinstance(x, list):
-        return [bits(v) for v in x]
-    if isinstance(x, float) and math.isnan(x):
-        # Which NaN's payload survives nan + nan is up to the hardware and the compiler's operand order
-        # (IEEE 754 leaves it open), so a NaN is any NaN; every other float is compared bit for bit.
-        return ("float", "nan")
-    if isinstance(x, float):
-        return ("float", struct.pack("<d", x))
-    return (type(x).__name__, x)
-
-
 def outcome(fn: Any) -> Any:
     try:
         return bits(fn())
@@ -147,17 +136,8 @@ def agrees(got: Any, want: Any) -> bool:
     return is_error(want) or any(limit in got[1] for limit in ENGINE_LIMITS)
 
 
-def cli_run(capsys: Any, *args: str) -> tuple[int, str, str]:
-    try:
-        status = cli.main(list(args))
-    except SystemExit as exc:
-        status = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def check_cli(capsys: Any, contract: str, path: str, want: Any) -> None:
-    status, out, err = cli_run(capsys, contract, path)
+def check_cli(cli: Any, contract: str, path: str, want: Any) -> None:
+    status, out, err = cli(contract, path)
     if status == 0:
         assert err == "" and not is_error(want), (out, want)
         assert bits(json.loads(out)) == want, (out, want)  # JSON keeps -0.0, ints and every float's digits
@@ -167,7 +147,7 @@ def check_cli(capsys: Any, contract: str, path: str, want: Any) -> None:
 
 @FUZZ
 @given(generated=owner_files())
-def test_owner_sum_files(tmp_path_factory: Any, capsys: Any, generated: tuple[Any, dict[str, Any]]) -> None:
+def test_owner_sum_files(tmp_path_factory: Any, cli: Any, generated: tuple[Any, dict[str, Any]]) -> None:
     table, options = generated
     path = str(tmp_path_factory.mktemp("fuzz") / "rows.parquet")
     pq.write_table(table, path, **options)
@@ -175,12 +155,12 @@ def test_owner_sum_files(tmp_path_factory: Any, capsys: Any, generated: tuple[An
     want = outcome(lambda: reference.owner_sum(rows))
     got = outcome(lambda: [list(p) for p in zip(*(v.tolist() for v in owner_sum_batches(parquet.owner_batches(path))))])
     assert agrees(got, want), (got, want, table.schema)
-    check_cli(capsys, "owner-sum", path, got)
+    check_cli(cli, "owner-sum", path, got)
 
 
 @FUZZ
 @given(generated=mean_files())
-def test_mean_files(tmp_path_factory: Any, capsys: Any, generated: tuple[Any, dict[str, Any]]) -> None:
+def test_mean_files(tmp_path_factory: Any, cli: Any, generated: tuple[Any, dict[str, Any]]) -> None:
     table, options = generated
     path = str(tmp_path_factory.mktemp("fuzz") / "mean.parquet")
     pq.write_table(table, path, **options)
@@ -190,4 +170,4 @@ def test_mean_files(tmp_path_factory: Any, capsys: Any, generated: tuple[Any, di
     got = outcome(lambda: microbatch_mean_batches(parquet.microbatch_batches(path)).tolist())
     mixed = is_error(got) and "must be all floats or all integers" in got[1]  # a format limit, named
     assert agrees(got, want) or mixed, (got, want, table.schema)
-    check_cli(capsys, "mean", path, got)
+    check_cli(cli, "mean", path, got)
