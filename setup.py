@@ -1,7 +1,7 @@
 """Build configuration that pyproject.toml cannot hold: the optional C extensions of gradagg._native.
 
-Both are optional: where no C compiler is found or a build fails, the package installs without them and the
-Parquet command runs on pyarrow instead (the same answers; see gradagg/_native/__init__.py).
+Each is optional: where no C compiler is found or a build fails, the package installs without them and every
+caller takes its pure path instead (the same answers, slower; see gradagg/_native/__init__.py).
 """
 
 from setuptools import Extension, setup
@@ -16,5 +16,7 @@ setup(
                   depends=["src/gradagg/_native/buffer.h", "src/gradagg/_native/pqformat.h"], optional=True),
         Extension("gradagg._native._ownersum", ["src/gradagg/_native/ownersum.c"], extra_compile_args=FLAGS,
                   depends=["src/gradagg/_native/ownertable.h"], optional=True),
+        Extension("gradagg._native._pairtext", ["src/gradagg/_native/pairtext.c"], extra_compile_args=FLAGS,
+                  optional=True),
     ]
 )

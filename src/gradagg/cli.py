@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from array import array
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, NoReturn
@@ -164,10 +165,11 @@ def _run_owner_sum(args: argparse.Namespace) -> int:
             result = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
             shards, totals = [s for s, _ in result], [t for _, t in result]
     if _is_parquet(args.output):
-        _parquet().write_owner_sum(args.output, shards, totals)
+        _write_owner_sum_parquet(args.output, shards, totals)
     else:
-        # Tuples, not lists: json writes them alike, and a million small lists cost a second to build.
-        _emit(list(zip(engine.python_values(shards), engine.python_values(totals))), args.output, "owner-sum")
+        # array.array (the native backend's columns) holds plain ints and floats already, and text writes it in C.
+        plain = [c if isinstance(c, array) else engine.python_values(c) for c in (shards, totals)]
+        _emit(text.Columns(*plain), args.output, "owner-sum")
     return EXIT_OK
 
 
@@ -262,6 +264,14 @@ def _owner_sum_parquet(args: argparse.Namespace, progress: Any) -> tuple[Any, An
     if batches is None:
         batches = _parquet().owner_batches(args.source, progress=progress)
     return owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)  # type: ignore[no-any-return]
+
+
+def _write_owner_sum_parquet(output: str, shards: Any, totals: Any) -> None:
+    """Write ``-o OUT.parquet``: the native backend's arrays without pyarrow (the native writer), else with it."""
+    from gradagg.formats import parquet_native_write
+
+    if not parquet_native_write.write_owner_sum(output, shards, totals):
+        _parquet().write_owner_sum(output, shards, totals)
 
 
 def _mean_parquet(args: argparse.Namespace, progress: Any) -> Any:

@@ -35,6 +35,9 @@ fixed_size_list of them); the mean writes ``parameter`` (int64, from 0) and
 Parquet column cannot hold exactly (an integer total beside float totals that
 float64 would round, an integer beyond int64, a lone surrogate in a string id)
 is an error naming it. The file appears all at once (temporary file, rename).
+The native backend's results (``array.array`` columns) are written without
+pyarrow by :mod:`gradagg.formats.parquet_native_write` instead (a file that
+reads back the same); the command line chooses.
 """
 
 from __future__ import annotations
@@ -251,8 +254,11 @@ def _write(path: str, table: pa.Table) -> None:
 
 
 def _numpy_if_typed(x: Any) -> Any:
-    """An ``array.array`` (the native backend's results) as a NumPy view, so no Python number is made per row."""
-    return np.frombuffer(x, dtype=x.typecode) if type(x).__module__ == "array" and len(x) else x
+    """An ``array.array`` (the native backend's results) as a NumPy view, so no Python number is made per row.
+
+    An empty one too: as a list, an empty ``array("d")`` of totals would be written as int64.
+    """
+    return np.frombuffer(x, dtype=x.typecode) if type(x).__module__ == "array" else x
 
 
 def _ids_array(shards: Any) -> Any:

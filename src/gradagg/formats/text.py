@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+from gradagg._native import is_table_result, load
 from gradagg.errors import FormatError, OutputError, short_repr
 from gradagg.formats import _csv
 from gradagg.formats._json import json_lines, load_json
@@ -248,12 +250,44 @@ def _csv_value(cell: str, where: str) -> int | float | None:
 # --- writing -----------------------------------------------------------------------
 
 
+class Columns(NamedTuple):
+    """An owner-sum result as its two columns, written as the pairs ``zip(shards, totals)`` are.
+
+    Each column is a sequence of plain Python values (ints, floats, strings,
+    lists), or the native backend's ``array.array`` (``"q"`` shards, ``"d"`` or
+    ``"q"`` totals): those are written in C (``gradagg._native._pairtext``) to
+    the same text, byte for byte, without a Python object per number (about 3x
+    faster on 10^6 shards; what is left is float.__repr__'s own digit search).
+    Without that module, the pairs are written in Python.
+    """
+
+    shards: Sequence[Any]
+    totals: Sequence[Any]
+
+
 def dumps_result(result: Any) -> str:
     """The JSON text of a result (NaN and Infinity written as Python's json does; ASCII only).
 
+    Args:
+        result: a list of values or of ``[shard, total]`` pairs, or :class:`Columns`.
+
+    Returns:
+        ``json.dumps`` of the result (of ``list(zip(shards, totals))`` for columns).
+
+    Raises:
+        OutputError: an integer with more digits than Python writes as text.
+
     >>> dumps_result([["x", 1], ["y", 2]])
     '[["x", 1], ["y", 2]]'
+    >>> from array import array
+    >>> dumps_result(Columns(array("q", [3, 7]), array("d", [-0.0, float("nan")])))
+    '[[3, -0.0], [7, NaN]]'
     """
+    if isinstance(result, Columns):
+        fast = _native_text(result, csv=False)
+        if fast is not None:
+            return fast
+        result = list(zip(*result))  # tuples, not lists: json writes them alike, and 10^6 small lists cost a second
     try:
         return json.dumps(result)
     except ValueError:
@@ -265,13 +299,19 @@ def result_to_csv(result: Any, contract: str) -> str:
 
     A cell is quoted when it holds a comma, a quote, a line break or
     surrounding spaces (the csv module would leave a lone carriage return
-    unquoted); a vector total is a JSON array cell.
+    unquoted); a vector total is a JSON array cell. An owner-sum result may
+    be :class:`Columns`, written as its pairs are.
 
     >>> print(result_to_csv([["x", 1], ["a,b", [1.5, 2]]], "owner-sum"), end="")
     shard_id,total
     x,1
     "a,b","[1.5, 2]"
     """
+    if isinstance(result, Columns):
+        fast = _native_text(result, csv=True)
+        if fast is not None:
+            return "shard_id,total\n" + fast
+        result = list(zip(*result))
     try:
         if contract == "owner-sum":
             lines = ["shard_id,total"] + [f"{_cell(s)},{_cell(t)}" for s, t in result]
@@ -280,6 +320,18 @@ def result_to_csv(result: Any, contract: str) -> str:
     except ValueError:
         raise _unwritable(result) from None
     return "\n".join(lines) + "\n"
+
+
+def _native_text(columns: Columns, *, csv: bool) -> str | None:
+    """The columns' JSON or CSV lines written in C, or None where that does not apply (other columns, not built).
+
+    Only int64 shards with float64 or int64 totals of the same length: every such number's text is one rule
+    (repr; json's NaN and Infinity), and none can be too long to write, so the C text is the pairs' text.
+    """
+    if not is_table_result(*columns):
+        return None
+    module = load("_pairtext")
+    return None if module is None else module.pairs_text(*columns, csv)
 
 
 def encode_csv(text: str, target: str = "output") -> bytes:
