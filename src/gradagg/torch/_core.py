@@ -23,7 +23,7 @@ from gradagg.torch._params import Params, ParamSource
 from gradagg.torch._window import CHANGED, LATE, OUTSIDE, UNSUPPORTED, Window
 from gradagg.torch.collectives import Group, device_for, get_rank, get_world_size
 from gradagg.torch.ddp import DdpHold
-from gradagg.torch.fsdp import FsdpParams, Mode
+from gradagg.torch.fsdp import FsdpParams, Mode, is_dtensor, low_precision
 from gradagg.torch.ledger import Ledger
 
 _BYTES_PER_MB = 2**20
@@ -48,6 +48,8 @@ class AccumulatorCore:
         for i, t in enumerate(self._tensors):
             if self._fsdp is None or i not in self._sharded:
                 self._hook(t, i)
+            elif self._fsdp.mode == "every_microbatch":
+                self._hook(t, i, self._on_shard)  # FSDP calls it with each microbatch's reduced shard
         self._pools = (ReusableBuffer(), ReusableBuffer())  # input buffer; reduce-scatter output
         self._layout: FlatLayout | None = None
         self._layout_checked = False
@@ -88,16 +90,18 @@ class AccumulatorCore:
         self._flat: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._sender: Sender | None = None
+        self._shard_sums: dict[int, torch.Tensor] = {}  # every_microbatch: FSDP's reduced shards, summed here
 
     def _takes(self, i: int) -> bool:
         return self._fsdp is None or i not in self._sharded or self._fsdp.mode == "window"
 
-    def _hook(self, t: torch.Tensor, i: int) -> None:
+    def _hook(self, t: torch.Tensor, i: int, on: Any = None) -> None:
         if id(t) in self._hooked:
             return
+        take = self._on_grad if on is None else on
 
         def on_grad(param: torch.Tensor) -> None:
-            self._on_grad(i, param)
+            take(i, param)
 
         self._hooked[id(t)] = (t, t.register_post_accumulate_grad_hook(on_grad))  # type: ignore[no-untyped-call]
 
@@ -127,6 +131,53 @@ class AccumulatorCore:
         w.seen.add(i)
         if w.in_last and self._sender is not None:
             self._sender.ready(i)
+
+    def _on_shard(self, i: int, param: torch.Tensor) -> None:
+        """every_microbatch: FSDP just reduce-scattered a microbatch into the sharded ``param.grad``; sum it here.
+
+        FSDP would add each microbatch's shard into ``.grad`` in the parameter's dtype: for bf16 parameters a
+        sum of M microbatches in bf16 (256 + 1 rounds to 256). Here the sum is kept in float32 at least, and
+        ``.grad`` stays None until ``finish()``. FSDP calls the sharded parameter's post-accumulate-grad hooks
+        after each reduce (for optimizers in backward); where it does not (compiled autograd), it keeps the sum
+        in ``.grad``: :meth:`_shard_mean` folds that in, and :meth:`_kept_by_fsdp` refuses it in bf16 or fp16.
+        Participation is counted on the unsharded parameter (:meth:`_on_grad`).
+        """
+        grad = param.grad
+        if grad is None or not self._w.open:
+            return  # before any window: left in .grad, so the next window refuses it as stale
+        local = grad.to_local() if is_dtensor(grad) else grad  # type: ignore[attr-defined]
+        total = self._shard_sums.get(i)
+        if total is None:
+            dtype = torch.promote_types(torch.float32, local.dtype)
+            self._shard_sums[i] = local.detach().to(dtype=dtype, copy=True)
+        else:
+            total.add_(local.detach())
+        param.grad = None
+
+    def _shard_mean(self, i: int, t: torch.Tensor, divisor: float) -> torch.Tensor | None:
+        """every_microbatch: parameter ``i``'s summed shards divided by D, as a DTensor gradient (None if none)."""
+        total = self._shard_sums.pop(i, None)
+        if t.grad is not None:  # FSDP summed (some of) it into .grad itself: its hook did not run
+            kept = t.grad.to_local().detach()  # type: ignore[attr-defined]
+            total = kept.to(dtype=torch.promote_types(torch.float32, kept.dtype)) if total is None else total.add_(kept)
+        if total is None or self._fsdp is None:
+            return None
+        if divisor != 1:
+            total.div_(divisor)
+        return self._fsdp.sharded_grad(t, total)
+
+    def _kept_by_fsdp(self) -> str | None:
+        """every_microbatch: why a shard FSDP summed into ``.grad`` itself cannot count (a bf16 or fp16 sum)."""
+        if self._fsdp is None or self._fsdp.mode != "every_microbatch":
+            return None
+        for i in sorted(self._sharded):
+            g = self._tensors[i].grad
+            if g is not None and low_precision(g.dtype):
+                return (
+                    f"parameter {self._names[i]!r}: FSDP summed microbatches into its {g.dtype} .grad itself (its "
+                    "post-accumulate-grad hooks did not run, e.g. under compiled autograd); use fsdp='window'"
+                )
+        return None
 
     def _open_before_forward(self, _module: object, _args: object) -> None:
         if torch.is_grad_enabled() and not self._w.open and not self._closed:

@@ -18,6 +18,7 @@ from gradagg.errors import CollectiveError, GradaggError, NonFiniteGradientError
 from gradagg.torch._flat import Counts, all_finite, real_dtype
 from gradagg.torch._window import (
     DIVIDED,
+    KEPT,
     NONE,
     OK,
     PEER,
@@ -85,6 +86,9 @@ def _prepare(acc: MicrobatchAccumulator) -> None:
             w.fail(STALE, f"parameter {stale!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
     else:
         acc._check_params()
+        kept = acc._kept_by_fsdp()
+        if kept is not None:
+            w.fail(KEPT, kept)
     problem = weight_problem(weight_values(w.weights))
     if problem is not None:
         w.fail(WEIGHT, problem)
@@ -100,6 +104,8 @@ def _exchange(acc: MicrobatchAccumulator) -> Counts:
             g = acc._tensors[i].grad
             if g is not None:
                 sender.finite &= all_finite(g.to_local())  # type: ignore[attr-defined]
+        for total in acc._shard_sums.values():
+            sender.finite &= all_finite(total)
     weight = math.fsum(weight_values(w.weights))
     sender.flush(layout.local_counters(w.participation, w.m, weight, w.status, w.mode))
     sender.wait()
@@ -132,7 +138,7 @@ def _raise_if_any_failed(acc: MicrobatchAccumulator, counts: Counts) -> None:
 
 
 def _install(acc: MicrobatchAccumulator, counts: Counts, divisor: float) -> None:
-    """Hand out the reduced gradients: views of the buffer, DTensor shards, or FSDP's own divided in place."""
+    """Hand out the reduced gradients: views of the buffer, DTensor shards, or FSDP's shards summed and divided."""
     layout, flat, out = acc._layout_now(), acc._flat, acc._out
     external = set(_external(acc))
     for i, t in enumerate(acc._tensors):
@@ -141,8 +147,7 @@ def _install(acc: MicrobatchAccumulator, counts: Counts, divisor: float) -> None
         if counts.participation[i] == 0:
             t.grad = None  # absent from every microbatch of every rank
         elif i in external:
-            if t.grad is not None and divisor != 1:
-                t.grad.div_(divisor)
+            t.grad = acc._shard_mean(i, t, divisor)
         elif layout.buckets[layout.slots[i].bucket].kind == "reduce_scatter" and out is not None and acc._fsdp:
             t.grad = acc._fsdp.sharded_grad(t, layout.local_view(out, i))
         elif flat is not None:

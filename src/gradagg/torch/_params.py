@@ -67,20 +67,21 @@ class Params:
     def changed(self) -> str | None:
         """Why the trainable parameters are no longer the ones accumulated (None if they are).
 
-        A parameter unfrozen after construction would get gradients that are neither reduced nor divided:
-        every rank would keep its own. Names are compared under FSDP2 (whose registered tensors change
-        between sharded and unsharded), identities otherwise.
+        A parameter unfrozen (or replaced) after construction would get gradients that are neither reduced
+        nor divided: every rank would keep its own. FSDP2 parameters are compared by name (the tensor
+        registered under it changes between sharded and unsharded), every other one by identity, plain
+        parameters beside FSDP ones included.
         """
         for name, t in self.frozen:
             if t.requires_grad:
                 return f"parameter {name!r} was frozen when the accumulator was built and now requires grad"
         if self.module is None:
             return None
-        by_name = self.sharded != []
+        by_name = {self.names[i] for i in self.sharded}
         now = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         mine = dict(zip(self.names, self.tensors))
         for n, p in now:
-            if n not in mine or (not by_name and mine[n] is not p):
+            if n not in mine or (n not in by_name and mine[n] is not p):
                 return f"parameter {n!r} requires grad but is not among the accumulated ones (unfrozen or replaced)"
         return None
 

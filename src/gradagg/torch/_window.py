@@ -14,7 +14,7 @@ import torch
 
 from gradagg.errors import GradaggError
 
-OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER = range(9)
+OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT = range(10)
 STATUS_TEXT = {
     RAISED: "poisoned (a microbatch raised after gradients were accumulated)",
     OUTSIDE: "poisoned (a backward ran outside microbatch(): not counted in M)",
@@ -24,6 +24,7 @@ STATUS_TEXT = {
     LATE: "accumulated a gradient after the microbatch marked last (or after its bucket was sent)",
     UNSUPPORTED: "got a gradient the accumulator cannot hold (sparse)",
     PEER: "refused an earlier finish() of this window (another rank failed in it)",
+    KEPT: "let FSDP sum microbatches into a bf16 or fp16 .grad (fsdp='every_microbatch')",
 }
 NONE, UNWEIGHTED, WEIGHTED, DIVIDED = range(4)  # weighting codes, the indices of ledger.WEIGHTING
 

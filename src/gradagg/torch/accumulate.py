@@ -17,8 +17,9 @@ How: a post-accumulate-grad hook on every parameter (under FSDP2, on the unshard
 microbatch's gradient into one flat buffer, in buckets, and leaves ``.grad`` None until the window ends
 (so ``optimizer.zero_grad()`` inside a window cannot drop counted gradients). ``finish()`` sends the
 buckets, the counters travelling in the last one, divides once and hands out ``.grad`` as views of the
-buffer (under FSDP2, DTensor shards). Modules: :mod:`~gradagg.torch._flat` (layout),
-:mod:`~gradagg.torch._buckets` (sending), :mod:`~gradagg.torch.ddp`, :mod:`~gradagg.torch.fsdp`.
+buffer (under FSDP2, DTensor shards). Sums are in float32 at least (bf16 and fp16 gradients included).
+Modules: :mod:`~gradagg.torch._flat` (layout), :mod:`~gradagg.torch._buckets` (sending),
+:mod:`~gradagg.torch.ddp`, :mod:`~gradagg.torch.fsdp`.
 """
 
 from __future__ import annotations

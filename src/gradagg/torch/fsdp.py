@@ -16,9 +16,23 @@ Two ways to accumulate (``MicrobatchAccumulator(model, fsdp=...)``):
 * ``"every_microbatch"``: FSDP's own reduce-scatter after every microbatch, forced to a plain sum
   (``set_gradient_divide_factor(1.0)``, ``set_force_sum_reduction_for_comms(True)``: gloo rejects
   ``PREMUL_SUM``) with zeros for parameters a microbatch did not use
-  (``set_reduce_scatter_unused_params(True)``); ``finish()`` divides the accumulated sharded gradients.
-  Only sharded gradients are held, but FSDP's collectives then run once per microbatch, so **every rank
-  must run the same number of microbatches**: pad short ranks with ``weight=0`` microbatches.
+  (``set_reduce_scatter_unused_params(True)``). FSDP hands each microbatch's reduced shard to a
+  post-accumulate-grad hook on the sharded parameter (it calls those after every reduce); the accumulator
+  sums the shards in float32 at least (FSDP would add them into ``.grad`` in the parameter's dtype, bf16
+  for bf16 parameters) and ``finish()`` divides them. Participation is counted on the unsharded parameters,
+  hooked when a window opens: the modules are unsharded one at a time there, each resharded before the
+  next. Only sharded gradients are held, but FSDP's
+  collectives then run once per microbatch, so **every rank must run the same number of microbatches**:
+  pad short ranks with ``weight=0`` microbatches.
+
+Mixed precision (``MixedPrecisionPolicy``): forwards and backwards run as FSDP configures them; every sum
+over microbatches is in float32 at least (window: gradagg's buffer, reduce-scattered in float32 whatever
+``reduce_dtype`` says; every_microbatch: FSDP reduces each microbatch in its ``reduce_dtype``, gradagg sums
+them), and ``.grad`` is handed out in the sharded parameter's own dtype. Parameters that no FSDP unit
+holds (plain tensors: blocks sharded but not the root, ``ignored_params``, a module attached after
+``fully_shard``) are reduced as replicas over the whole group, divided by the same D. A DTensor that no
+``fully_shard`` manages is refused when the first window opens (only then are FSDP's parameters
+unsharded, which is how a public API tells them apart).
 """
 
 from __future__ import annotations
@@ -57,11 +71,14 @@ class FsdpParams:
             raise GradaggError(f"fsdp must be 'window' or 'every_microbatch', got {mode!r}")
         self.root, self.names, self.params, self.mode = root, names, params, mode
         self.modules: list[Any] = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self._prefixes = {id(m): name for name, m in root.named_modules()}  # a module's name, for its parameters
         if not self.modules:
             raise GradaggError(
-                f"parameter {names[0]!r} is a DTensor but no module under the one given was passed to fully_shard; "
-                "pass the module fully_shard was applied to"
+                f"parameter {names[0]!r} is a DTensor ({_where(params[0])}) but no module under the one given was "
+                "passed to fully_shard: gradagg reduces DTensor parameters made by fully_shard (FSDP2, HSDP) only, "
+                "not tensor-parallel or distribute_tensor ones; pass the module fully_shard was applied to"
             )
+        self.low_precision = False  # whether FSDP computes in a dtype below float32 (known once unsharded)
         self.mesh: Any = params[0].device_mesh  # type: ignore[attr-defined]
         self._check_placements()
         self.ways = self.mesh.size(self.mesh.ndim - 1)
@@ -79,12 +96,15 @@ class FsdpParams:
         allowed = ((Shard(0),), (Replicate(), Shard(0)))
         for name, p in zip(self.names, self.params):
             placements = tuple(p.placements)  # type: ignore[attr-defined]
-            if p.device_mesh != self.mesh:  # type: ignore[attr-defined]
-                raise GradaggError(f"parameter {name!r} lives on another device mesh than {self.names[0]!r}")
             if placements not in allowed:
                 raise GradaggError(
-                    f"parameter {name!r} has placements {placements}; supported: (Shard(0),) for FSDP and "
-                    "(Replicate(), Shard(0)) for HSDP"
+                    f"parameter {name!r} has placements {placements} on {p.device_mesh}; supported: (Shard(0),) "  # type: ignore[attr-defined]
+                    "for FSDP and (Replicate(), Shard(0)) for HSDP, on one mesh (not tensor parallel, not 3-D meshes)"
+                )
+            if p.device_mesh != self.mesh:  # type: ignore[attr-defined]
+                raise GradaggError(
+                    f"parameter {name!r} ({_where(p)}) lives on another device mesh than {self.names[0]!r} "
+                    f"({_where(self.params[0])}); every FSDP parameter must share one mesh"
                 )
 
     def _check_local_shapes(self) -> None:
@@ -114,21 +134,35 @@ class FsdpParams:
     def unshard(self) -> dict[str, torch.Tensor]:
         """Unshard every FSDP module (the same all-gathers, in module order, on every rank).
 
+        In window form they stay unsharded over the window. In every_microbatch form each module is resharded
+        as soon as its unsharded parameters are known (FSDP keeps those tensor objects across its own
+        unshard/reshard, so hooks on them keep firing): one module is unsharded at a time, never the model.
+
         Returns:
             name -> the unsharded parameter now registered under that name.
 
         Raises:
             GradaggError: a parameter is still a DTensor after unsharding.
         """
+        now: dict[str, torch.Tensor] = {}
         for m in self.modules:
             m.unshard()
-        now = dict(self.root.named_parameters())
+            for name, t in m.named_parameters(prefix=self._prefixes[id(m)]):
+                if not _is_dtensor(t):  # its own parameters; nested FSDP modules' are still shards
+                    now.setdefault(name, t)
+            if self.mode == "every_microbatch":
+                m.reshard()
         out: dict[str, torch.Tensor] = {}
-        for name in self.names:
+        for name, p in zip(self.names, self.params):
             t = now.get(name)
             if t is None or _is_dtensor(t):
-                raise GradaggError(f"parameter {name!r} is not unsharded after FSDPModule.unshard()")
+                raise GradaggError(
+                    f"parameter {name!r} ({_where(p)}) is still a DTensor after every FSDP module unsharded: no "
+                    "fully_shard manages it (registered after fully_shard, or made by distribute_tensor or tensor "
+                    "parallel), so nothing would gather or reduce it; gradagg refuses it"
+                )
             out[name] = t
+        self.low_precision = any(low_precision(t.dtype) for t in out.values())
         return out
 
     def reshard(self) -> None:
@@ -138,10 +172,16 @@ class FsdpParams:
                 m.reshard()
 
     def set_all_reduce(self, enabled: bool) -> None:
-        """every_microbatch on HSDP: whether FSDP's backward all-reduces over the replicas this microbatch."""
+        """every_microbatch on HSDP: whether FSDP's backward all-reduces over the replicas this microbatch.
+
+        Never deferred when FSDP computes in bf16 or fp16: FSDP would add the deferred microbatches' shards in
+        its reduce dtype, which may be that same low precision (``reduce_dtype=None``; no public API tells), and
+        256 + 1 rounds to 256 in bf16. All-reduced every microbatch, each lands in the float32 sum of
+        :meth:`AccumulatorCore._on_shard`.
+        """
         if self.mode == "every_microbatch" and self.replicate_group is not None:
             for m in self.modules:
-                m.set_requires_all_reduce(enabled, recurse=False)
+                m.set_requires_all_reduce(enabled or self.low_precision, recurse=False)
 
     @staticmethod
     def sharded_grad(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -149,7 +189,9 @@ class FsdpParams:
         from torch.distributed.tensor import DTensor
 
         mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
-        return DTensor.from_local(local.to(p.dtype), mesh, placements, shape=p.shape, stride=p.stride())
+        device = p.to_local().device  # type: ignore[attr-defined]  # the CPU under CPUOffloadPolicy, as FSDP's own
+        local = local.to(device=device, dtype=p.dtype)
+        return DTensor.from_local(local, mesh, placements, shape=p.shape, stride=p.stride())
 
     def restore(self) -> None:
         """Give FSDP its defaults back: sync every backward, reshard after backward (after forward: not the root)."""
@@ -158,6 +200,20 @@ class FsdpParams:
             m.set_reshard_after_backward(True, recurse=False)
             m.set_reshard_after_forward(m is not self.root, recurse=False)
             m.set_requires_all_reduce(True, recurse=False)
+
+
+def low_precision(dtype: torch.dtype) -> bool:
+    """Whether sums in ``dtype`` lose what float32 keeps (bf16, fp16: 256 + 1 is 256 in bf16).
+
+    >>> low_precision(torch.bfloat16), low_precision(torch.float32)
+    (True, False)
+    """
+    return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(torch.float32).eps
+
+
+def _where(p: torch.Tensor) -> str:
+    """A DTensor's placements and mesh, for messages."""
+    return f"placements {tuple(p.placements)} on {p.device_mesh}"  # type: ignore[attr-defined]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -169,4 +225,4 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 is_dtensor = _is_dtensor
 
-__all__ = ["MODES", "FsdpParams", "Mode", "is_dtensor"]
+__all__ = ["MODES", "FsdpParams", "Mode", "is_dtensor", "low_precision"]
