@@ -3,8 +3,10 @@
 Every example of examples/parity runs on the default layouts (8; 4,4; 1,7 over a window of 8
 microbatches with 95 valid tokens, 58 in the first half and 37 in the second). A right step matches
 the float64 full batch to round-off; each mistake fails where its arithmetic says it must. The
-fixture scripts of tests/parity break the step in one way each (raise, exit, hang, skip a collective,
-no all-reduce, NaN, zero for absent) or make the script unusable (exit 2). One world per layout.
+fixture scripts of tests/parity break the step in one way each (raise, exit, abort, hang, skip a
+collective, no all-reduce, NaN, zero for absent, a DTensor shard dropped on one rank) or make the
+script unusable (exit 2). The FSDP2 examples also run where the counts differ and where rank 0 has
+none (1,7 and 0,8). One world per layout.
 """
 
 from __future__ import annotations
@@ -219,6 +221,7 @@ def test_a_model_that_differs_between_processes_is_unusable() -> None:
     ("raises_on_rank1", "rank 1: step() raised ZeroDivisionError: boom on rank 1 (at raises_on_rank1.py line 11)"),
     ("exits_on_rank1", "rank 1: step() raised sys.exit(3)"),
     ("hard_exits_on_rank1", "rank 1: exited with code 7 without returning a result"),
+    ("aborts_on_rank1", "rank 1: died of SIGABRT without returning a result"),  # not "did not finish": no one waited
 ])
 def test_a_rank_that_fails_fails_its_layout_fast_and_is_named_first(name: str, first: str) -> None:
     """Rank 1 stops; rank 0, waiting in an all-reduce, loses its peer at once instead of timing out."""
@@ -231,6 +234,13 @@ def test_a_rank_that_fails_fails_its_layout_fast_and_is_named_first(name: str, f
     assert elapsed < FAST["collective_timeout_s"] + 10.0  # the peer's connection closes: no timeout waited
 
 
+def test_a_prepare_that_raises_is_named_as_prepare() -> None:
+    """The phase in the message is the function that raised: prepare(), which runs after build_model()."""
+    (o,) = check_parity(_fixture("prepare_raises"), [(4,)], **FAST).observations
+    assert o["passed"] is False
+    assert o["actual"].startswith("rank 0: prepare() raised AssertionError: Please init the 2D mesh"), o["actual"]
+
+
 def test_a_rank_left_alone_in_a_collective_fails_its_layout_and_the_cause_is_guessed() -> None:
     """Rank 0 returns without the all-reduces; rank 1 loses its peer: failed, with the likely cause named."""
     (o,) = check_parity(_fixture("skips_collective_on_rank0"), [(2, 2)], **FAST).observations
@@ -241,16 +251,21 @@ def test_a_rank_left_alone_in_a_collective_fails_its_layout_and_the_cause_is_gue
 def test_a_rank_that_hangs_in_python_is_killed_at_the_deadline() -> None:
     """Rank 1 spins forever: rank 0 times out in its collective (2 s), rank 1 is killed at the deadline (4 s).
 
-    The launcher gives a rank 5 s of grace after the deadline before killing it: the bound is 4 + 5 s,
-    plus 4 s for starting the world on a loaded machine.
+    Rank 2 waits for rank 1 on a group with torch's 30-minute default timeout: it fails only when rank 1
+    is killed, after the deadline, and its result is still read. The launcher gives a rank 5 s of grace
+    after the deadline before killing it, then 1 s to the ranks it held: the bound is 4 + 5 + 1 s, plus
+    5 s for starting the world (and the fork server, when this test runs alone) on a loaded machine.
     """
     start = time.monotonic()
-    (o,) = check_parity(_fixture("hangs_on_rank1"), [(2, 2)], timeout_s=4.0, collective_timeout_s=2.0).observations
+    (o,) = check_parity(_fixture("hangs_on_rank1"), [(1, 1, 2)], timeout_s=4.0,
+                        collective_timeout_s=2.0).observations
     elapsed = time.monotonic() - start
     assert o["passed"] is False
     assert o["actual"].startswith("rank 1: did not finish within the deadline (4 s) and was killed")
     assert "rank 0: step() raised RuntimeError" in o["actual"]
-    assert elapsed < 4.0 + 5.0 + 4.0
+    assert "rank 2: step() raised RuntimeError" in o["actual"], o["actual"]  # not "exited ... without a result"
+    assert o["diagnosis"].endswith("then rank 0, 2, waiting for it")
+    assert elapsed < 4.0 + 5.0 + 1.0 + 5.0
 
 
 # --- what the comparison tells apart ------------------------------------------------------------
@@ -293,12 +308,56 @@ def test_explicit_rtol_is_the_bar() -> None:
     assert check_parity(str(EXAMPLES / "mistake_ddp_average_and_global_tokens.py"), [(4, 4)], rtol=0.6).passed
 
 
-def test_fsdp2_dtensor_gradients_are_gathered_and_compared() -> None:
-    """fully_shard leaves DTensor shards in .grad; parity gathers them (full_tensor) and finds them right."""
+def test_fsdp2_dtensor_gradients_are_assembled_and_compared() -> None:
+    """fully_shard leaves DTensor shards in .grad; parity assembles them from every rank and finds them right."""
     pytest.importorskip("torch.distributed.fsdp")
     report = check_parity(_fixture("fsdp2_token_mean"), [(8,), (4, 4)], **FAST)
     assert report.passed, report.observations
     assert all(o["actual"] <= ROUND_OFF_64 for o in report.observations)
+
+
+# --- FSDP2 with uneven counts -------------------------------------------------------------------
+
+FSDP2_LAYOUTS = [(8,), (4, 4), (1, 7), (0, 8)]
+# example -> passed on each of 8; 4,4; 1,7; 0,8
+FSDP2_VERDICTS = {
+    "fsdp2_token_mean_gradagg": (True, True, True, True),
+    "mistake_fsdp2_sync_last_microbatch": (True, True, False, False),  # right only when the counts are equal
+}
+
+
+def test_fsdp2_examples_on_uneven_counts_and_a_rank_with_none() -> None:
+    """gradagg's FSDP2 step matches the full batch everywhere; FSDP2's own no_sync recipe fails where counts differ.
+
+    1,7: rank 0's only backward reduce-scatters while rank 1's first one does not: their collectives no
+    longer pair up and both ranks time out (3 s) inside step(). 0,8: rank 0 runs no backward, returns at
+    once, and rank 1 loses it in its first all-gather. Both fail within the collective timeout, never the
+    deadline: 4 worlds' start-up (about 1 s each on 2 cores) plus 2 timeouts, with room for a loaded machine.
+    """
+    pytest.importorskip("torch.distributed.fsdp")
+    for name, verdicts in FSDP2_VERDICTS.items():
+        start = time.monotonic()
+        report = check_parity(str(EXAMPLES / f"{name}.py"), FSDP2_LAYOUTS, **FAST)
+        elapsed = time.monotonic() - start
+        assert tuple(o["passed"] for o in report.observations) == verdicts, report.observations
+        assert all(o["actual"] <= ROUND_OFF_64 for o in report.observations if o["passed"])
+        assert elapsed < 4 * 4.0 + 2 * FAST["collective_timeout_s"], (name, elapsed)
+    _, _, uneven, empty = report.observations
+    assert uneven["diagnosis"].startswith("every rank failed inside a collective"), uneven
+    assert "different numbers of microbatches" in uneven["diagnosis"]
+    assert "rank 0 returned from step() while rank 1 waited for it in a collective" in empty["diagnosis"], empty
+
+
+def test_a_dtensor_gradient_left_none_on_one_rank_is_named_not_a_lost_peer() -> None:
+    """Rank 0 drops its shard of '0.weight', rank 1 keeps its own: the missing gradient is what fails the layout.
+
+    The shards are put together in the checking process, so no gather on rank 1 waits for one that
+    rank 0 never sends (which read as a lost peer, or a gloo abort read as a hang).
+    """
+    pytest.importorskip("torch.distributed.fsdp")
+    (o,) = check_parity(_fixture("fsdp2_none_on_rank0"), [(4, 4)], **FAST).observations
+    assert o["passed"] is False and o["rank"] == 0 and o["parameter"] == "0.weight", o
+    assert o["actual"].startswith("rank 0: '0.weight' has no gradient; the full batch's has norm"), o
 
 
 def test_python_function_raises_for_a_layout_that_does_not_sum() -> None:

@@ -56,3 +56,19 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
+
+
+def shard_blocks_and_root(model: torch.nn.Module) -> list:
+    """FSDP2: ``fully_shard`` the embedding and the output layer, then the root; returns the FSDP modules.
+
+    Every parameter becomes a DTensor shard (rows of dim 0) on each rank. The FSDP modules are returned
+    so that a step can set what FSDP's per-module setters (``set_gradient_divide_factor``) do not recurse to.
+    """
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    # torch 2.13 warns, every forward, that a module returned a view (Linear on 3-d input does): a trap for
+    # in-place ops on the output, which token_loss does not do.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return [fully_shard(model[0]), fully_shard(model[2]), fully_shard(model)]

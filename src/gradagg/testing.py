@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import time
@@ -131,8 +132,8 @@ def launch_local_world(
     ]
     for p in procs:
         p.start()
-    got = _collect(results, procs, time.monotonic() + timeout_s)
-    outcomes = [_outcome(rank, got.get(rank), procs[rank]) for rank in range(world_size)]
+    got, killed = _collect(results, procs, time.monotonic() + timeout_s)
+    outcomes = [_outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(world_size)]
     del store  # the rendezvous store lives exactly as long as the world
     return outcomes
 
@@ -241,7 +242,8 @@ def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
-def _collect(results: Any, procs: list[Any], deadline: float) -> dict[int, tuple[bool, Any]]:
+def _collect(results: Any, procs: list[Any], deadline: float) -> tuple[dict[int, tuple[bool, Any]], set[int]]:
+    """Each rank's (ok, payload) as it arrives until the deadline; then the ranks killed for missing it."""
     got: dict[int, tuple[bool, Any]] = {}
     while len(got) < len(procs) and time.monotonic() < deadline:
         try:
@@ -249,28 +251,56 @@ def _collect(results: Any, procs: list[Any], deadline: float) -> dict[int, tuple
             got[rank] = (ok, payload)
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
-                # every rank exited: one last look for results flushed just before exit
-                while True:
-                    try:
-                        rank, ok, payload = results.get(timeout=0.2)
-                        got[rank] = (ok, payload)
-                    except queue.Empty:
-                        return got
-    for p in procs:
-        p.join(timeout=_GRACE_S if time.monotonic() < deadline + _GRACE_S else 0.1)
+                _drain(results, got)  # every rank exited: one last look for results flushed just before exit
+                return got, set()
+    killed: set[int] = set()
+    for rank, p in enumerate(procs):
+        # The grace after the deadline; once a rank is killed, one it held in a collective gets a second to
+        # fail and exit by itself.
+        grace = min(_GRACE_S, max(0.0, deadline + _GRACE_S - time.monotonic()))
+        p.join(timeout=max(grace, 1.0 if killed else 0.1))
         if p.is_alive():
             p.kill()  # ours, past the deadline
             p.join(timeout=1.0)
-    return got
+            killed.add(rank)
+    if len(got) < len(procs):
+        # A rank that waited for a killed one (on a group with torch's 30-minute timeout) fails once its peer
+        # is gone, after the deadline: its result is in the pipe all the same.
+        _drain(results, got)
+    return got, killed
 
 
-def _outcome(rank: int, got: tuple[bool, Any] | None, proc: Any) -> RankOutcome:
+def _drain(results: Any, got: dict[int, tuple[bool, Any]]) -> None:
+    while True:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+            got[rank] = (ok, payload)
+        except queue.Empty:
+            return
+
+
+def _outcome(rank: int, got: tuple[bool, Any] | None, proc: Any, killed: bool) -> RankOutcome:
     code = proc.exitcode
     if got is None:
-        why = "did not finish before the deadline (killed)" if code is None or code < 0 else f"exited with code {code}"
-        return RankOutcome(rank, None, f"rank {rank} {why} without returning a result", code)
+        return RankOutcome(rank, None, f"rank {rank} {_death(code, killed)} without returning a result", code)
     ok, payload = got
     return RankOutcome(rank, pickle.loads(payload) if ok else None, None if ok else str(payload), code)
+
+
+def _death(code: int | None, killed: bool) -> str:
+    """How a rank that returned nothing ended: killed by us at the deadline, a signal of its own, or an exit code.
+
+    >>> _death(-6, killed=False)
+    'died of SIGABRT'
+    """
+    if killed or code is None:
+        return "did not finish before the deadline (killed)"
+    if code < 0:  # a signal that we did not send: a C++ abort (gloo's checks), a crash, the OOM killer
+        try:
+            return f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died of signal {-code}"
+    return f"exited with code {code}"
 
 
 def _last_line(text: str | None) -> str:

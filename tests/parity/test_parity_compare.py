@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from gradagg.parity.compare import FLOOR, Truth, default_rtol, judge, ratio_text  # noqa: E402
+from gradagg.parity.compare import FLOOR, Truth, Unread, default_rtol, judge, ratio_text  # noqa: E402
 
 RTOL = 1e-9
 
@@ -136,3 +136,40 @@ def test_default_rtol_follows_the_lowest_precision() -> None:
     assert default_rtol(_truth(a=_t(1.0))) == 1e-9
     assert default_rtol(_truth(a=_t(1.0), b=torch.ones(1, dtype=torch.float32))) == 1e-3
     assert default_rtol(_truth(a=torch.ones(1, dtype=torch.bfloat16))) == 5e-2
+
+
+@pytest.mark.parametrize(("layout", "uneven"), [((1, 3), True), ((2, 2), False)])
+def test_every_rank_failing_in_a_collective_reads_as_collectives_that_do_not_match(
+        layout: tuple[int, ...], uneven: bool) -> None:
+    """Both ranks time out (or lose each other) inside step(): neither is the cause, their collectives differ.
+
+    With unequal counts per rank the likely cause is a collective per microbatch (FSDP's, DDP's) and the
+    diagnosis says so; with equal counts it does not guess that.
+    """
+    failures = {0: "step() raised RuntimeError: Timed out waiting 3000ms for recv operation to complete",
+                1: "step() raised RuntimeError: Timed out waiting 3000ms for send operation to complete"}
+    o = judge(layout, _truth(a=_t(1.0)), {}, failures, rtol=RTOL)
+    assert o["passed"] is False and o["rank"] == 0
+    assert o["diagnosis"].startswith("every rank failed inside a collective, timed out or left by its peer (rank 0: "
+                                     "step() raised RuntimeError: Timed out waiting 3000ms for recv"), o["diagnosis"]
+    assert "do not run the same collectives in the same order" in o["diagnosis"]
+    assert ("different numbers of microbatches" in o["diagnosis"]) is uneven
+
+
+def test_ranks_left_waiting_by_one_that_returned_are_told_so() -> None:
+    """Rank 0 (no microbatch) returned; ranks 1 to 3 lost it in a collective: it is named as the one that left."""
+    lost = "step() raised RuntimeError: Connection closed by peer"
+    o = judge((0, 2, 3, 3), _truth(a=_t(1.0)), {0: {"a": None}}, {1: lost, 2: lost, 3: lost}, rtol=RTOL)
+    assert o["passed"] is False and o["rank"] == 1
+    assert o["diagnosis"] == (f"rank 1: {lost} (rank 0 returned from step() while rank 1, 2, 3 waited for it in a "
+                              "collective: does every rank run the same collectives, a rank with no microbatch "
+                              "included?)")
+
+
+def test_a_gradient_that_could_not_be_read_fails_with_its_reason() -> None:
+    """An Unread gradient (a DTensor whose shards do not assemble) fails whatever the tolerance, saying why."""
+    truth = _truth(a=_t(1.0), b=_t(1.0, 1.0))
+    o = judge((1, 1), truth, {0: {"a": _t(1.0), "b": Unread("'b' cannot be assembled: because")},
+                              1: {"a": _t(1.0), "b": _t(1.0, 1.0)}}, {}, rtol=0.99)
+    assert o["passed"] is False and o["rank"] == 0 and o["parameter"] == "b"
+    assert o["actual"] == "rank 0: 'b' cannot be assembled: because" and o["diagnosis"] == o["actual"]

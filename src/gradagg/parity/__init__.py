@@ -14,7 +14,8 @@ SCRIPT.py defines:
 
 For each layout (microbatches per rank: ``(8,)``, ``(4, 4)``, ``(1, 7)``, ``(0, 8)``) one local world
 runs the step; every rank's gradients, read by name from the parameters of the model that
-``build_model()`` returned (DTensors gathered with ``full_tensor()``), are compared with the truth,
+``build_model()`` returned (a DTensor's put together from every rank's shard in this process, with no
+collective after the step: :mod:`gradagg.parity.shards`), are compared with the truth,
 parameter by parameter (the relative error is defined in :mod:`gradagg.parity.compare`). A layout
 passes when the largest relative error over ranks and parameters is at most ``rtol``. A step that
 raises, exits or hangs on some rank fails its layout, within the world's deadline: a rank whose step
@@ -156,6 +157,7 @@ def _observe(script: str, layout: Layout, truth: Any, rtol: float, inputs: tuple
     """One world for one layout, then its observation."""
     path = os.path.abspath(script)  # the ranks may not share our working folder
     from gradagg.parity.compare import judge
+    from gradagg.parity.shards import assemble
     from gradagg.parity.worker import run_rank
     from gradagg.testing import launch_local_world
 
@@ -171,7 +173,7 @@ def _observe(script: str, layout: Layout, truth: Any, rtol: float, inputs: tuple
             failures[o.rank] = o.value.failure
         else:
             results[o.rank] = o.value.grads
-    return judge(layout, truth, results, failures, rtol)
+    return judge(layout, truth, assemble(results), failures, rtol)
 
 
 def _launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
@@ -179,6 +181,9 @@ def _launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
     text = (lines[-1] if lines else "failed").removeprefix(f"rank {rank} ")
     if "deadline" in text:
         return f"did not finish within the deadline ({timeout_s:g} s) and was killed: does its step hang?"
+    if "SIGABRT" in text:  # no "gloo" or "peer" here: this rank is the cause, not one waiting for another
+        text += (" (C++ code aborted it; torch's collectives do that when a rank's collective differs in size "
+                 "or kind from the other ranks': the message is on stderr)")
     return text
 
 

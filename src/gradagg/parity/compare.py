@@ -9,7 +9,8 @@ small layer's miss is not drowned by a large one's; norm-based, so one entry nea
 blow up; the floor keeps a parameter whose true gradient is (near) zero from being judged by its
 round-off alone. A layout passes when error(p) <= rtol for every parameter on every rank. Absent
 (``grad is None``), zero and NaN stay apart: a gradient where the truth has none, none where it has
-one, or a non-finite entry fails whatever the tolerance.
+one, or a non-finite entry fails whatever the tolerance; so does one that could not be read
+(:class:`Unread`: a DTensor whose shards do not make the whole).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gradagg.parity.layouts import Layout, format_layout
 if TYPE_CHECKING:
     import torch
 
-    Grads = Mapping[str, torch.Tensor | None]
+    Grads = Mapping[str, "torch.Tensor | Unread | None"]
 
 # Below 1% of the whole gradient's norm a parameter is judged against that 1%: float32 round-off of
 # a parameter is about 1e-5 of the whole norm on the examples (error 7e-5 on a layer at 6% of it), so
@@ -38,6 +39,18 @@ FLOOR = 1e-2
 # variable-length data miss by 1e-2 and more. Half precision: not measured, only a coarse check.
 RTOL_BY_DTYPE = {"torch.float64": 1e-9, "torch.float32": 1e-3, "torch.float16": 5e-2, "torch.bfloat16": 5e-2}
 _RTOL_OTHER = 1e-3
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A gradient a rank holds that cannot be compared, and why: it fails whatever the tolerance.
+
+    Attributes:
+        why: a sentence that names the parameter, e.g. "'w' is a DTensor gradient (S(0)) here but has none
+            on rank 0: ...".
+    """
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -92,9 +105,12 @@ def compare_rank(rank: int, grads: Grads, truth: Truth) -> list[Miss]:
     return misses
 
 
-def _param_error(name: str, g: torch.Tensor | None, t: torch.Tensor | None, truth: Truth) -> tuple[float, str | None]:
+def _param_error(name: str, g: torch.Tensor | Unread | None, t: torch.Tensor | None,
+                 truth: Truth) -> tuple[float, str | None]:
     import torch
 
+    if isinstance(g, Unread):
+        return math.inf, g.why
     if g is None and t is None:
         return 0.0, None  # absent on both sides: agreed
     if t is None:
@@ -138,7 +154,7 @@ def judge(layout: Layout, truth: Truth, results: Mapping[int, Grads], failures: 
     """
     check = f"layout {format_layout(layout)}: gradients match the one-process full batch"
     if failures:
-        return _ordered(check, layout, rtol, _failed_ranks(failures, sorted(results)))
+        return _ordered(check, layout, rtol, _failed_ranks(layout, failures, sorted(results)))
     misses = [m for rank in sorted(results) for m in compare_rank(rank, results[rank], truth)]
     worst = max(misses, key=lambda m: m.key)
     passed = all(m.error <= rtol for m in misses)
@@ -155,25 +171,43 @@ def _ordered(check: str, layout: Layout, rtol: float, found: dict[str, Any]) -> 
             "layout": list(layout), **{k: found[k] for k in ("parameter", "rank", "ratio", "diagnosis")}}
 
 
-def _failed_ranks(failures: Mapping[int, str], returned: list[int]) -> dict[str, Any]:
+def _failed_ranks(layout: Layout, failures: Mapping[int, str], returned: list[int]) -> dict[str, Any]:
     # A rank that failed first-hand comes first; the ones that failed waiting for it in a collective after.
     ordered = sorted(failures, key=lambda r: (_secondary(failures[r]), r))
     first = ordered[0]
     why = f"rank {first}: {failures[first]}"
-    if len(ordered) > 1:
-        why += f"; then rank {', '.join(str(r) for r in ordered[1:])}, waiting for it"
-    elif _secondary(failures[first]) and returned:
-        ranks = ", ".join(str(r) for r in returned)
-        why += (f" (rank {ranks} returned from step() while rank {first} waited for it in a collective: does every "
-                "rank run the same collectives, a rank with no microbatch included?)")
+    if not all(_secondary(failures[r]) for r in ordered):
+        why += f"; then rank {_ranks(ordered[1:])}, waiting for it" if len(ordered) > 1 else ""
+    elif returned:  # no rank failed first-hand: the ones that returned left the others waiting
+        why += (f" (rank {_ranks(returned)} returned from step() while rank {_ranks(ordered)} waited for it in a "
+                "collective: does every rank run the same collectives, a rank with no microbatch included?)")
+    elif len(layout) > 1:  # every rank failed waiting: for each other
+        why = _collectives_differ(layout, why)
     return {"actual": "; ".join(f"rank {r}: {failures[r]}" for r in ordered), "passed": False, "parameter": None,
             "rank": first, "ratio": None, "diagnosis": why}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _collectives_differ(layout: Layout, first: str) -> str:
+    why = (f"every rank failed inside a collective, timed out or left by its peer ({first}): the ranks do not "
+           "run the same collectives in the same order")
+    if len(set(layout)) > 1:
+        why += ("; this layout gives them different numbers of microbatches: is there a collective per microbatch "
+                "(FSDP's all-gathers and reduce-scatters, DDP's all-reduce)?")
+    return why
 
 
 def _secondary(message: str) -> bool:
     """Whether a failure reads like the consequence of a peer's (a collective that timed out or lost its peer)."""
     text = message.lower()
     return any(s in text for s in ("gloo", "connection", "timed out", "timeout", "peer", "nccl"))
+
+
+def _tensor(g: Any) -> bool:
+    return g is not None and not isinstance(g, Unread)
 
 
 def _json(x: float) -> Any:
@@ -212,7 +246,7 @@ def _disagreement(truth: Truth, results: Mapping[int, Grads], rtol: float) -> st
     ranks = sorted(results)
     for rank in ranks[1:]:
         gaps = [(_norm(g.double() - results[ranks[0]][n].double()) / truth.scale(n), n)  # type: ignore[union-attr]
-                for n, g in results[rank].items() if g is not None and results[ranks[0]].get(n) is not None]
+                for n, g in results[rank].items() if _tensor(g) and _tensor(results[ranks[0]].get(n))]
         gap, name = max(gaps, default=(0.0, ""))
         if gap > rtol:
             return (f"ranks disagree: {name!r} on rank {rank} differs from rank {ranks[0]}'s by {gap:.2g} "
@@ -225,8 +259,8 @@ def _scale(layout: Layout, truth: Truth, grads: Grads, rtol: float) -> tuple[flo
     ratios, residuals = [], []
     for name, t in truth.grads.items():
         g = grads.get(name)
-        if t is None or g is None or truth.norms[name] < truth.floor:
-            continue  # near-zero truths carry no reliable ratio
+        if t is None or g is None or isinstance(g, Unread) or truth.norms[name] < truth.floor:
+            continue  # near-zero truths carry no reliable ratio (and an Unread was reported before this)
         r = _dot(g, t) / _dot(t, t)
         ratios.append(r)
         residuals.append(_norm(g.double() - r * t.double()) / truth.scale(name))

@@ -262,11 +262,6 @@ def _check_truth(path: str, grads: dict[str, torch.Tensor | None]) -> None:
 
 
 def read_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """A parameter's gradient as a plain CPU tensor: a DTensor's is gathered (``full_tensor()``, a collective)."""
+    """A parameter's gradient as a CPU copy, or None (a rank reads a DTensor's with :mod:`gradagg.parity.shards`)."""
     grad = param.grad
-    if grad is None:
-        return None
-    full = getattr(grad, "full_tensor", None)  # DTensor (FSDP2, tensor parallel): every rank must call it
-    if callable(full):
-        grad = full()
-    return grad.detach().to("cpu", copy=True)
+    return None if grad is None else grad.detach().to("cpu", copy=True)

@@ -3,10 +3,13 @@
 :func:`run_rank` is the worker that :func:`gradagg.testing.launch_local_world` starts (a module-level
 function, so that each rank can import it by name). It imports SCRIPT.py from its path, builds the
 model, lets ``prepare`` wrap it, runs ``step`` on this rank's consecutive slice of the window and
-reads every parameter's gradient by name from the model that ``build_model()`` returned.
+reads every parameter's gradient by name from the model that ``build_model()`` returned: a DTensor's
+as this rank's shard (:func:`gradagg.parity.shards.piece_of`), put together in the checking process.
 
 A failure in the user's code is caught and returned, so the rank exits at once: a peer waiting
 for it in a collective then fails fast (its connection closes) instead of waiting out the timeout.
+Nothing is sent after ``step()`` returns, so a rank that ran fewer collectives than its peers
+returns at once too, and its peers fail in the step that waits for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gradagg.parity.digest import data_digest, model_digest
 from gradagg.parity.layouts import Layout, rank_slice
 from gradagg.parity.script import describe, load_script, read_grad, user_output
+from gradagg.parity.shards import Piece, piece_of
 
 if TYPE_CHECKING:
     import torch
@@ -34,14 +38,15 @@ class RankResult:
         failure: None when every phase returned; else ``"step() raised ZeroDivisionError: ..."``.
         model_digest: digest of the model ``build_model()`` gave on this rank, before ``prepare``.
         window_digest: digest of the window ``microbatches()`` gave on this rank.
-        grads: parameter name -> gradient after ``step`` (None: no gradient), in ``named_parameters()`` order.
+        grads: parameter name -> gradient after ``step`` (None: no gradient; a :class:`Piece`: this rank's
+            shard of a DTensor), in ``named_parameters()`` order.
     """
 
     rank: int
     failure: str | None = None
     model_digest: dict[str, str] = field(default_factory=dict)
     window_digest: str = ""
-    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor | Piece | None] = field(default_factory=dict)
 
 
 def run_rank(path: str, layout: Layout) -> RankResult:
@@ -70,15 +75,21 @@ def run_rank(path: str, layout: Layout) -> RankResult:
         with user_output():
             model = script.module.build_model()
         result.model_digest = model_digest(model)
+        phase = "prepare()"
         wrapped = _prepared(script.module, model) if script.has_prepare else model
         phase = "step()"
         with user_output():
             script.module.step(wrapped, window[rank_slice(layout, rank)])
-        phase = "reading the gradients"  # DTensor grads: full_tensor() is a collective, same order on every rank
-        result.grads = {name: read_grad(p) for name, p in model.named_parameters()}
+        phase = "reading the gradients"  # locally: a DTensor's shard, not full_tensor() (a collective)
+        result.grads = {name: _read(p) for name, p in model.named_parameters()}
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too: whatever stops the user's code
         result.failure = f"{phase} raised {describe(exc)}{_where(exc, path)}"
     return result
+
+
+def _read(param: torch.Tensor) -> torch.Tensor | Piece | None:
+    grad = param.grad
+    return piece_of(grad) if grad is not None and hasattr(grad, "device_mesh") else read_grad(param)
 
 
 def _prepared(module: Any, model: Any) -> Any:
