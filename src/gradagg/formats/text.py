@@ -256,8 +256,8 @@ class Columns(NamedTuple):
     Each column is a sequence of plain Python values (ints, floats, strings,
     lists), or the native backend's ``array.array`` (``"q"`` shards, ``"d"`` or
     ``"q"`` totals): those are written in C (``gradagg._native._pairtext``) to
-    the same text, byte for byte, without a Python object per number (about 3x
-    faster on 10^6 shards; what is left is float.__repr__'s own digit search).
+    the same text, byte for byte, without a Python object per number (what is
+    left is float.__repr__'s own digit search; figures in bench/RESULTS.md).
     Without that module, the pairs are written in Python.
     """
 
