@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_inputs import FUZZ, IMPLS, bits, messy_rows, microbatch_rows, owner_rows, variant
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,6 +33,7 @@ from gradagg.engine import (
     python_values,
 )
 from gradagg.errors import GradaggError, NonFiniteGradientError
+from tests.engines.engine_inputs import FUZZ, IMPLS, bits, messy_rows, microbatch_rows, owner_rows, variant
 
 KINDS = ["numpy", "unicode", "list", "torch", "float32"]  # unicode: string ids as <U arrays (no trailing NULs)
 

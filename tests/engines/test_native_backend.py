@@ -14,13 +14,13 @@ from array import array
 from typing import Any
 
 import pytest
-from engine_inputs import FLOATS, FUZZ, bits
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gradagg import engine, reference
 from gradagg.backends import native
 from gradagg.errors import GradaggError, GradientTypeError, IdError, NonFiniteGradientError, RowShapeError
+from tests.engines.engine_inputs import FLOATS, FUZZ, bits
 
 if not native.available():
     pytest.skip("the native backend is not built (or GRADAGG_NATIVE=0)", allow_module_level=True)

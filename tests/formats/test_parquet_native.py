@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from parquet_files import chunks, patch_footer, read_footer
+
+from tests.formats.parquet_files import chunks, patch_footer, read_footer
 
 np = pytest.importorskip("numpy")
 pa = pytest.importorskip("pyarrow")

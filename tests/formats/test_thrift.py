@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parquet_files import encode_struct
 
 from gradagg.formats._thrift import ThriftError, read_struct
+from tests.formats.parquet_files import encode_struct
 
 FUZZ = settings(derandomize=True, deadline=None, max_examples=200)
 

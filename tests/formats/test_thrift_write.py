@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parquet_files import encode_struct as untyped_encode
 
 from gradagg.formats._thrift import read_struct
 from gradagg.formats._thrift_write import BINARY, BOOL, I16, I32, I64, LIST, STRUCT, Field, encode_struct
+from tests.formats.parquet_files import encode_struct as untyped_encode
 
 FUZZ = settings(derandomize=True, deadline=None, max_examples=200)
 INT64 = st.integers(-(2**63), 2**63 - 1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import dist_workers as w
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from gradagg.errors import GradaggError, NonFiniteGradientError, WindowError
 from gradagg.mutants import MICROBATCH_MEAN_MUTANTS
 from gradagg.reference import microbatch_mean
 from gradagg.torch import MicrobatchAccumulator, count_collectives
+from tests.torch.workers import dist as w
 
 # float64; sums of <= 8 microbatch gradients in another order than the full batch: see test_torch_distributed.
 TOL = 1e-12

@@ -6,13 +6,13 @@ these checks are in test_training.py.
 
 from __future__ import annotations
 
-import dist_workers as w
 import pytest
 import torch
-import train_workers as tw
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator, count_collectives
+from tests.torch.workers import dist as w
+from tests.torch.workers import train as tw
 
 TOL = 1e-12  # float64, <= 10 microbatch sums in another order than the full batch: see test_training.py
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dist_workers as w
 import pytest
 import torch
 
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch._buffers import ReusableBuffer
+from tests.torch.workers import dist as w
 
 
 def test_reused_only_once_every_view_is_gone() -> None:

@@ -1,6 +1,6 @@
 """gradagg.torch on real process groups: 2 to 4 gloo ranks on loopback, each world started by forkserver.
 
-The worker functions live in ``dist_workers`` (importable by the ranks); each
+The worker functions live in ``tests.torch.workers.dist`` (importable by the ranks); each
 world runs several checks and returns plain values, asserted here. Each module
 fixture starts one world, so a failure names the world and the rank.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import dist_workers as w
 import pytest
 import torch
 
 from gradagg.mutants import OWNER_SUM_MUTANTS
 from gradagg.testing import launch_local_world, run_local_world
+from tests.torch.workers import dist as w
 
 COLLECTIVE_TIMEOUT_S = 5.0  # short: a dead or stalled peer must become an error within seconds
 # One set of options for every world of this test process: the fork server starts once, with these.

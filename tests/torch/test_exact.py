@@ -1,6 +1,6 @@
 """owner_reduce and grad_norm across 2 gloo ranks: exact whatever the dtypes, the same on every rank.
 
-One world runs both checks (worker functions in ``exact_workers``).
+One world runs both checks (worker functions in ``tests.torch.workers.exact``).
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import exact_workers as w
 import pytest
 
 from gradagg.testing import run_local_world
+from tests.torch.workers import exact as w
 
 # The options of every world in this test process: the fork server starts once, with the first world's.
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}

@@ -1,7 +1,7 @@
 """FSDP2 beyond float sharding, on 2 gloo ranks: mixed precision, parameters outside FSDP, CPU offload, refusals.
 
 The rule for each layout: the gradient of the full batch, or a GradaggError on every rank naming the parameter
-and what is wrong; never a silently wrong gradient. The workers are in ``fsdp_workers``. Counts per rank are
+and what is wrong; never a silently wrong gradient. The workers are in ``tests.torch.workers.fsdp``. Counts per rank are
 uneven and include a rank with none (window form) or padding with weight-0 microbatches (every_microbatch);
 weights are valid tokens (D = 13 over counts 0 and 4, D = 22 over 1 and 5).
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import fsdp_workers as fw
 import pytest
 import torch
 
 from gradagg.testing import run_local_world
+from tests.torch.workers import fsdp as fw
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}
 DIVISOR = {"[0, 4]": 13, "[1, 5]": 22}  # tokens: 6 + 2 + 5 + 0; 6 | 2 + 5 + 0 + 3 + 6

@@ -1,6 +1,6 @@
 """Global norms of a small MoE with experts sharded by DTensor, on 2 and 4 gloo ranks, against one process.
 
-The model and the step are in ``moe_workers`` (experts ``Shard(0)`` on an "ep" mesh, a head ``Replicate()``
+The model and the step are in ``tests.torch.workers.moe`` (experts ``Shard(0)`` on an "ep" mesh, a head ``Replicate()``
 on "dp", a plain router and a tied plain embedding; float64). Each world runs the sharded step, checks its
 gradients against the one-process full batch, then computes gradagg's norm (from ``Ownership.from_module``
 and from the placements alone), the known wrong answers, and a clip.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import moe_workers as w
 import pytest
 
 from gradagg.testing import run_local_world
+from tests.torch.workers import moe as w
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}
 # float64. The distributed norm adds the same ~150 squares as one process, in another order (per rank, then

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import train_workers as tw
 
 from gradagg.testing import launch_local_world, run_local_world
+from tests.torch.workers import train as tw
 
 TOL = 1e-12
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}

@@ -12,15 +12,15 @@ import dataclasses
 import functools
 from typing import Any
 
-import dist_workers as w
 import torch
 import torch.distributed as dist
-import train_workers as tw
 from torch import nn
 
 from gradagg.errors import GradaggError
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.fsdp import is_dtensor
+from tests.torch.workers import dist as w
+from tests.torch.workers import train as tw
 
 Grads = dict[str, torch.Tensor]
 # MixedPrecisionPolicy arguments by name; "inputs" is the dtype the step casts its inputs to itself.

@@ -13,13 +13,13 @@ import os
 import time
 from typing import Any
 
-import dist_workers as w
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from gradagg.errors import CollectiveError
 from gradagg.torch import MicrobatchAccumulator, count_collectives
+from tests.torch.workers import dist as w
 
 B = 6  # samples ("tokens") per microbatch, some of them padding
 VALID = [6, 2, 5, 0, 3, 6, 1, 4, 6, 2]  # valid tokens of global microbatch k (k % 10); one has none
