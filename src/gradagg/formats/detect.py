@@ -1,8 +1,18 @@
-"""Which format an input is in, and its bytes as text: before any reader runs.
+"""Which format an input or output is in, and an input's bytes: before any reader or writer runs.
 
-Files are recognised by ``--format`` or their extension (:func:`format_of`);
-standard input by ``--format`` or its content (:func:`sniff`), which picks the
-only reading that could be valid and never guesses between two.
+The one table of formats is :data:`INPUT_FORMATS` and :data:`OUTPUT_FORMATS`
+(by extension). Files are recognised by ``--format`` or their extension
+(:func:`format_of`); standard input by ``--format`` or its content
+(:func:`sniff`), which picks the only reading that could be valid and never
+guesses between two. An output is written in the format its extension names,
+JSON when it names none (:func:`output_format`).
+
+A regular Parquet file is left to its reader, which streams it. Every other
+input is read here, once, into memory: text (its readers take it whole), and
+standard input, a FIFO, ``<(cat x.parquet)`` or a device in any format, since
+such an input cannot be reopened or read from its end. What is read is
+bounded by :func:`memory_allowed`, and an input larger than that is an error
+naming it, before its bytes are read where its size is known.
 """
 
 from __future__ import annotations
@@ -12,13 +22,18 @@ import io
 import json
 import os
 import re
+import stat
 from typing import BinaryIO, NamedTuple
 
 from gradagg.errors import FormatError
 
 _SPACES = re.compile(rb"[ \t\r\n]*")
 _PARQUET_MAGIC = b"PAR1"
-_EXTENSIONS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+INPUT_FORMATS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+"""The input formats by extension (lower case); a file of any other extension needs ``--format``."""
+OUTPUT_FORMATS = INPUT_FORMATS
+"""The output formats by extension: a result is written in the format it would be read in; JSON otherwise."""
+_CHUNK = 1 << 20  # bytes per read of an input whose size is not known
 
 
 class Input(NamedTuple):
@@ -27,7 +42,7 @@ class Input(NamedTuple):
     fmt: str
     name: str  # the path, or <stdin>
     data: bytes | None  # the whole text input, undecoded (see decode); None for Parquet
-    parquet: str | BinaryIO | None  # a Parquet file's path, or standard input's bytes as a file
+    parquet: str | BinaryIO | None  # a regular Parquet file's path, or the bytes of another Parquet input as a file
     sniffed: bool  # the format was recognised by content, not named
 
     def text(self) -> str:
@@ -36,7 +51,7 @@ class Input(NamedTuple):
 
 
 def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO | None) -> Input:
-    """Find the format of ``path`` (``-``: ``stdin``) and read a text input whole; a Parquet file is left to stream.
+    """Find the format of ``path`` (``-``: ``stdin``) and read it, unless it is a regular Parquet file.
 
     Args:
         path: the input file, or ``-`` for standard input.
@@ -48,25 +63,92 @@ def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO |
         The :class:`Input`.
 
     Raises:
-        FormatError: a file of unknown extension and no ``--format``; ``-`` with standard input closed.
-        OSError: the file is missing, a directory, unreadable.
+        FormatError: a directory; a file of unknown extension and no ``--format``; ``-`` with standard
+            input closed; an input larger than :func:`memory_allowed` allows to read.
+        OSError: the file is missing or unreadable.
 
     >>> read_input("-", None, "owner-sum", io.BytesIO(b"[]")).fmt
     'json'
     """
-    if path != "-":
-        fmt = format_of(path, explicit)
-        if fmt == "parquet":
-            return Input(fmt, path, None, path, False)
+    if path == "-":
+        if stdin is None:
+            raise FormatError("<stdin>: standard input is closed; give a FILE, or open standard input")
+        return _in_memory(read_bounded(stdin, "<stdin>"), "<stdin>", explicit, contract)
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise FormatError(f"{path}: is a directory; FILE must be a file, or - for standard input")
+    fmt = format_of(path, explicit)
+    if not stat.S_ISREG(mode):  # a FIFO, a device, <(...): one pass, into memory
         with open(path, "rb") as f:
-            return Input(fmt, path, f.read(), None, False)
-    if stdin is None:
-        raise FormatError("<stdin>: standard input is closed; give a FILE, or open standard input")
-    data = stdin.read()
+            return _in_memory(read_bounded(f, path), path, fmt, contract, sniffed=False)
+    if fmt == "parquet":
+        return Input(fmt, path, None, path, False)
+    with open(path, "rb") as f:
+        return Input(fmt, path, read_bounded(f, path, os.fstat(f.fileno()).st_size), None, False)
+
+
+def _in_memory(data: bytes, name: str, explicit: str | None, contract: str, *, sniffed: bool = True) -> Input:
     fmt = explicit or sniff(data, contract)
     if fmt == "parquet":  # its footer is at its end: it is read from memory
-        return Input(fmt, "<stdin>", None, io.BytesIO(data), explicit is None)
-    return Input(fmt, "<stdin>", data, None, explicit is None)
+        return Input(fmt, name, None, io.BytesIO(data), sniffed and explicit is None)
+    return Input(fmt, name, data, None, sniffed and explicit is None)
+
+
+def read_bounded(f: BinaryIO, name: str, size: int | None = None) -> bytes:
+    """All of ``f``, or an error naming ``name`` once it is more than :func:`memory_allowed` allows.
+
+    Args:
+        f: the open input.
+        name: its name for messages.
+        size: its size when known (a regular file): checked before anything is read.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        FormatError: the input is larger than the bound.
+
+    >>> read_bounded(io.BytesIO(b"[1]"), "x.json")
+    b'[1]'
+    """
+    bound = memory_allowed() // 2
+    if size is not None and size > bound:
+        raise _too_large(name, f"is {size:,} bytes", bound)
+    chunks, total = [], 0
+    while chunk := f.read((size or 0) + _CHUNK):  # a known size: all of it in the first read
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > bound:
+            raise _too_large(name, f"holds more than {bound:,} bytes (read so far)", bound)
+    return b"".join(chunks)
+
+
+def _too_large(name: str, what: str, bound: int) -> FormatError:
+    return FormatError(f"{name}: {what}; an input read into memory may take at most half the memory allowed "
+                       f"({bound:,} bytes; see ulimit -v): give a Parquet file, which is read in batches")
+
+
+def memory_allowed() -> int:
+    """The bytes this process may hold: the least of its address-space and data limits and the machine's memory.
+
+    >>> memory_allowed() > 0
+    True
+    """
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
+        pass
+    try:
+        import resource
+    except ImportError:
+        resource = None  # type: ignore[assignment]
+    if resource is not None:
+        for name in ("RLIMIT_AS", "RLIMIT_DATA"):
+            soft = resource.getrlimit(getattr(resource, name))[0] if hasattr(resource, name) else -1
+            if soft not in (-1, resource.RLIM_INFINITY):
+                limits.append(soft)
+    return min(limits, default=2**63 - 1)
 
 
 def format_of(path: str, explicit: str | None) -> str:
@@ -88,10 +170,19 @@ def format_of(path: str, explicit: str | None) -> str:
     if explicit is not None:
         return explicit
     ext = os.path.splitext(path)[1].lower()
-    if ext not in _EXTENSIONS:
+    if ext not in INPUT_FORMATS:
         raise FormatError(f"{path}: cannot tell the format from extension {ext!r}; pass --format "
                           "json, jsonl, csv or parquet")
-    return _EXTENSIONS[ext]
+    return INPUT_FORMATS[ext]
+
+
+def output_format(path: str) -> str:
+    """The format a result is written in to ``path``: the one its extension names, else JSON.
+
+    >>> output_format("out.jsonl"), output_format("OUT.Parquet"), output_format("/dev/stdout")
+    ('jsonl', 'parquet', 'json')
+    """
+    return OUTPUT_FORMATS.get(os.path.splitext(path)[1].lower(), "json")
 
 
 def sniff(data: bytes, contract: str) -> str:
@@ -153,8 +244,6 @@ def _first_lines(data: bytes, start: int, count: int) -> list[bytes]:
             lines.append(data[start:end])
         start = end + 1
     return lines
-
-
 
 
 def decode(data: bytes, source: str) -> str:

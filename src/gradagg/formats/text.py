@@ -49,12 +49,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from gradagg._native import is_table_result, load
 from gradagg.errors import FormatError, OutputError, short_repr
-from gradagg.formats import _csv
-from gradagg.formats._json import json_lines, load_json
+from gradagg.formats import _csv, _json
+from gradagg.formats._json import OWNER_FIELDS
 
-OWNER_FIELDS = ("shard_id", "worker_id", "owner_id", "gradient")
+__all__ = ["OWNER_FIELDS", "Columns", "check_header", "dumps_result", "encode_csv", "read_microbatches",
+           "read_owner_rows", "result_text", "result_to_csv"]
 
 
 # --- owner-sum rows ------------------------------------------------------------
@@ -77,65 +77,11 @@ def read_owner_rows(text: str, fmt: str, source: str = "input") -> list[Any]:
     >>> read_owner_rows("shard_id,worker_id,owner_id,gradient\\nx,0,0,1.5\\n", "csv")
     [['x', 0, 0, 1.5]]
     """
-    if fmt == "json":
-        rows = load_json(text, source)
-        if not isinstance(rows, list):
-            raise FormatError(f"{source}: expected a JSON array of rows, got {type(rows).__name__}")
-        return rows
-    if fmt == "jsonl":
-        return [_owner_row_from_json(value, line, source) for line, value in json_lines(text, source)]
+    if fmt in ("json", "jsonl"):
+        return _json.owner_rows(text, fmt, source)
     if fmt == "csv":
-        return _owner_rows_from_csv(text, source)
+        return _csv.owner_rows(text, source)
     raise FormatError(f"{source}: format {fmt!r} is not a text format")
-
-
-def _owner_row_from_json(value: Any, line: int, source: str) -> Any:
-    if not isinstance(value, dict):
-        return value  # an array row, or garbage that the reference names by row
-    if set(value) != set(OWNER_FIELDS):
-        missing = sorted(set(OWNER_FIELDS) - set(value))
-        extra = sorted(set(value) - set(OWNER_FIELDS))
-        raise FormatError(
-            f"{source}: line {line}: object keys must be {', '.join(OWNER_FIELDS)}; "
-            f"missing {missing}, unexpected {short_repr(extra)}"
-        )
-    return [value[k] for k in OWNER_FIELDS]
-
-
-def _owner_rows_from_csv(text: str, source: str) -> list[list[Any]]:
-    records = _csv.records(text, source)
-    if not records or [h.strip() for h in records[0][1]] != list(OWNER_FIELDS):
-        got = ",".join(records[0][1]) if records else "nothing"
-        raise FormatError(f"{source}: line 1: CSV header must be {','.join(OWNER_FIELDS)}, got {short_repr(got)}")
-    rows = []
-    for line, cells in records[1:]:
-        if len(cells) != 4:
-            what = "a blank line" if cells == [""] else f"{len(cells)}: {short_repr(cells)}"
-            raise FormatError(f"{source}: line {line}: expected 4 cells, got {what}")
-        ids = [_csv_id(cell, name, line, source) for name, cell in zip(OWNER_FIELDS[:3], cells[:3])]
-        rows.append([*ids, _csv_gradient(cells[3], line, source)])
-    return rows
-
-
-def _csv_id(cell: str, name: str, line: int, source: str) -> int | str | None:
-    if cell == "":
-        return None  # a missing id: the reference reports it with its row
-    if cell != cell.strip():
-        raise FormatError(f"{source}: line {line}: {name} {short_repr(cell)} has a space before or after it; "
-                          "ids are compared exactly, so remove the space")
-    if _csv.CANONICAL_INT.fullmatch(cell):
-        return _csv.to_int(cell, f"{source}: line {line}: {name}")
-    return cell
-
-
-def _csv_gradient(cell: str, line: int, source: str) -> Any:
-    cell = cell.strip()
-    if cell.startswith("["):
-        return load_json(cell, f"{source}: line {line}: gradient")
-    number = _csv.number(cell, f"{source}: line {line}: gradient")
-    if number is None:
-        raise FormatError(f"{source}: line {line}: gradient must be a number or a JSON array, got {short_repr(cell)}")
-    return number
 
 
 # --- microbatch rows -----------------------------------------------------------
@@ -167,12 +113,10 @@ def read_microbatches(
     ([[2, None], [4, 6]], None)
     """
     check_header(header, fmt, source)
-    if fmt == "json":
-        return _microbatches_from_json(load_json(text, source), source)
-    if fmt == "jsonl":
-        return [value for _, value in json_lines(text, source)], None
+    if fmt in ("json", "jsonl"):
+        return _json.microbatches(text, fmt, source)
     if fmt == "csv":
-        return _microbatches_from_csv(text, source, header), None
+        return _csv.microbatches(text, source, header), None
     raise FormatError(f"{source}: format {fmt!r} is not a text format")
 
 
@@ -185,84 +129,46 @@ def check_header(header: bool | None, fmt: str, source: str) -> None:
         raise FormatError(f"{source}: --header and --no-header apply to CSV input only, not {fmt}")
 
 
-def _microbatches_from_json(data: Any, source: str) -> tuple[list[Any], Any]:
-    if isinstance(data, list):
-        return data, None
-    if not isinstance(data, dict) or "rows" not in data:
-        raise FormatError(f'{source}: expected {{"rows": [...], "active_counts": [...]}} or an array of rows')
-    extra = sorted(set(data) - {"rows", "active_counts"})
-    if extra:
-        raise FormatError(f"{source}: unexpected keys {short_repr(extra)}; allowed are rows, active_counts")
-    rows = data["rows"]
-    if not isinstance(rows, list):
-        raise FormatError(f'{source}: "rows" must be an array, got {type(rows).__name__}')
-    return rows, data.get("active_counts")
-
-
-def _microbatches_from_csv(text: str, source: str, header: bool | None) -> list[list[Any]]:
-    records = _csv.records(text, source)
-    if records and (header or (header is None and _is_header(*records[0], source))):
-        width: int | None = len(records[0][1])
-        records = records[1:]
-    else:
-        width = len(records[0][1]) if records else None
-    rows = []
-    for i, (line, cells) in enumerate(records):
-        where = f"{source}: line {line} (microbatch {i})"
-        if width is not None and len(cells) != width:
-            raise FormatError(f"{where}: {_cells(cells, width)}, expected {width} (from line 1)")
-        rows.append([_csv_value(c, f"{where}, parameter {j}") for j, c in enumerate(cells)])
-    return rows
-
-
-def _is_header(line: int, cells: list[str], source: str) -> bool:
-    """A header has a name in every cell; a microbatch a number or nothing in every cell; else we cannot tell."""
-    names = [c for c in cells if c.strip() and not _csv.is_number(c.strip())]
-    if len(names) == len(cells):
-        return True
-    if not names:
-        return False
-    values = [c for c in cells if c not in names]
-    raise FormatError(
-        f"{source}: line {line}: cannot tell a header from a microbatch: {short_repr(names)} are not numbers but "
-        f"{short_repr(values)} are numbers or empty; pass --header if line {line} names the parameters, "
-        "--no-header if it is a microbatch"
-    )
-
-
-def _cells(cells: list[str], width: int) -> str:
-    if cells == [""]:
-        return ("a blank line, which is one empty cell; a microbatch whose parameters are all absent is "
-                f"written {',' * (width - 1)!r}, with")
-    return f"{len(cells)} cells"
-
-
-def _csv_value(cell: str, where: str) -> int | float | None:
-    cell = cell.strip()
-    if cell == "":
-        return None  # absent
-    number = _csv.number(cell, where)
-    if number is None:
-        raise FormatError(f"{where}: expected a number or an empty cell (absent), got {short_repr(cell)}")
-    return number
-
-
 # --- writing -----------------------------------------------------------------------
 
 
 class Columns(NamedTuple):
-    """An owner-sum result as its two columns, written as the pairs ``zip(shards, totals)`` are.
+    """An owner-sum result as its two columns of plain Python values, written as the pairs ``zip(shards, totals)``.
 
-    Each column is a sequence of plain Python values (ints, floats, strings,
-    lists), or the native backend's ``array.array`` (``"q"`` shards, ``"d"`` or
-    ``"q"`` totals): those are written in C (``gradagg._native._pairtext``) to
-    the same text, byte for byte, without a Python object per number (what is
-    left is float.__repr__'s own digit search; figures in bench/RESULTS.md).
-    Without that module, the pairs are written in Python.
+    The columns are zipped only as they are written, so no list per pair is made.
     """
 
     shards: Sequence[Any]
     totals: Sequence[Any]
+
+
+def result_text(result: Any, contract: str, fmt: str) -> str:
+    """A result as the text of ``fmt``: ``json`` (one line), ``jsonl`` (one element a line) or ``csv``.
+
+    Args:
+        result: a list of means, or of ``[shard, total]`` pairs, or :class:`Columns`.
+        contract: ``owner-sum`` or ``microbatch-mean`` (the CSV header).
+        fmt: the output format.
+
+    Returns:
+        The text, ending in a newline.
+
+    Raises:
+        OutputError: an integer with more digits than Python writes as text.
+
+    >>> print(result_text(Columns(["x", "y"], [1, 2.5]), "owner-sum", "jsonl"), end="")
+    ["x", 1]
+    ["y", 2.5]
+    """
+    if fmt == "csv":
+        return result_to_csv(result, contract)
+    if fmt == "jsonl":
+        pairs = list(zip(*result)) if isinstance(result, Columns) else result
+        try:
+            return "".join(json.dumps(item) + "\n" for item in pairs)
+        except ValueError:
+            raise _unwritable(pairs) from None
+    return dumps_result(result) + "\n"
 
 
 def dumps_result(result: Any) -> str:
@@ -279,14 +185,10 @@ def dumps_result(result: Any) -> str:
 
     >>> dumps_result([["x", 1], ["y", 2]])
     '[["x", 1], ["y", 2]]'
-    >>> from array import array
-    >>> dumps_result(Columns(array("q", [3, 7]), array("d", [-0.0, float("nan")])))
+    >>> dumps_result(Columns([3, 7], [-0.0, float("nan")]))
     '[[3, -0.0], [7, NaN]]'
     """
     if isinstance(result, Columns):
-        fast = _native_text(result, csv=False)
-        if fast is not None:
-            return fast
         result = list(zip(*result))  # tuples, not lists: json writes them alike, and 10^6 small lists cost a second
     try:
         return json.dumps(result)
@@ -308,9 +210,6 @@ def result_to_csv(result: Any, contract: str) -> str:
     "a,b","[1.5, 2]"
     """
     if isinstance(result, Columns):
-        fast = _native_text(result, csv=True)
-        if fast is not None:
-            return "shard_id,total\n" + fast
         result = list(zip(*result))
     try:
         if contract == "owner-sum":
@@ -320,18 +219,6 @@ def result_to_csv(result: Any, contract: str) -> str:
     except ValueError:
         raise _unwritable(result) from None
     return "\n".join(lines) + "\n"
-
-
-def _native_text(columns: Columns, *, csv: bool) -> str | None:
-    """The columns' JSON or CSV lines written in C, or None where that does not apply (other columns, not built).
-
-    Only int64 shards with float64 or int64 totals of the same length: every such number's text is one rule
-    (repr; json's NaN and Infinity), and none can be too long to write, so the C text is the pairs' text.
-    """
-    if not is_table_result(*columns):
-        return None
-    module = load("_pairtext")
-    return None if module is None else module.pairs_text(*columns, csv)
 
 
 def encode_csv(text: str, target: str = "output") -> bytes:

@@ -1,0 +1,158 @@
+"""The commands: ``owner-sum`` and ``mean`` read, apply the contract, write; ``verify`` runs the checks.
+
+Each reads its input once (:func:`gradagg.formats.detect.read_input`), hands
+the rows or Parquet batches to :mod:`gradagg.engine`, and writes the result
+(:mod:`gradagg.formats.results`). An error in the input names the file: the
+format readers' errors do already, the contract's (``row 3: ...``) get the
+file's name in front, and an input that the other contract reads says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from gradagg.cli.progress import progress_for
+from gradagg.errors import FormatError, GradaggError
+from gradagg.formats import detect, results, text
+from gradagg.options import CONTRACTS
+
+EXIT_OK, EXIT_FAILED = 0, 1
+OWNER_SUM, MEAN = CONTRACTS
+
+
+def owner_sum(args: argparse.Namespace) -> int:
+    """``gradagg owner-sum``: each shard's total over its owner's rows, sorted by shard."""
+    from gradagg import engine
+
+    source = _read(args, OWNER_SUM)
+    with _input_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            batches = _parquet().owner_batches(source.parquet, progress=progress)
+            shards, totals = engine.owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+        else:
+            rows = text.read_owner_rows(source.text(), source.fmt, source.name)
+            pairs = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
+            shards, totals = [s for s, _ in pairs], [t for _, t in pairs]
+    results.write_owner_sum(args.output, shards, totals)
+    return EXIT_OK
+
+
+def mean(args: argparse.Namespace) -> int:
+    """``gradagg mean``: each parameter's sum over the M microbatches, divided by M."""
+    from gradagg import engine
+
+    source = _read(args, MEAN)
+    with _input_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            batches = _parquet().microbatch_batches(source.parquet, progress=progress)
+            means = engine.microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+        else:
+            rows, counts = text.read_microbatches(source.text(), source.fmt, source.name, header=args.header)
+            means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
+    results.write_mean(args.output, means)
+    return EXIT_OK
+
+
+def _read(args: argparse.Namespace, contract: str) -> detect.Input:
+    """Check the engine and ``-o`` (before any work), find the input's format and read what is read whole."""
+    _check_engine(args.engine)
+    results.check_destination(args.output)
+    source = detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
+    text.check_header(args.header, source.fmt, source.name)
+    return source
+
+
+def _check_engine(name: str) -> None:
+    from gradagg.engine import available_engines
+
+    if name != "auto" and name not in available_engines():
+        raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
+                           f"pip install 'gradagg[{name}]' (or use --engine auto or python)")
+
+
+@contextlib.contextmanager
+def _input_errors(source: detect.Input, contract: str) -> Iterator[None]:
+    """An error in reading or applying the contract: named after the input, with what may explain it."""
+    try:
+        yield
+    except GradaggError as exc:
+        message = str(exc) if str(exc).startswith(f"{source.name}: ") else f"{source.name}: {exc}"
+        if source.sniffed and isinstance(exc, FormatError):
+            others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
+            message += (f" (standard input was read as {source.fmt}, recognised by its content; "
+                        f"pass --format {others} to read it otherwise)")
+        other = _other_contract_reading(source, contract)
+        if other is not None:
+            message += f" ({source.name} looks like an input of `gradagg {other}`, which reads it)"
+        exc.args = (message,)
+        raise
+
+
+def _other_contract_reading(source: detect.Input, contract: str) -> str | None:
+    """The command of the other contract when it reads this input without error (checked only on an error)."""
+    from gradagg import reference
+
+    other = "mean" if contract == OWNER_SUM else "owner-sum"
+    try:
+        if source.fmt == "parquet":
+            _check_parquet_schema(source, other)
+        elif other == "mean":
+            reference.microbatch_mean(*text.read_microbatches(source.text(), source.fmt, source.name))
+        else:
+            reference.owner_sum(text.read_owner_rows(source.text(), source.fmt, source.name))
+    except Exception:  # noqa: BLE001  (a hint only: any failure, pyarrow's included, means no hint)
+        return None
+    return other
+
+
+def _check_parquet_schema(source: detect.Input, command: str) -> None:
+    """Raise unless the Parquet input's columns are those ``command`` reads (from the footer only)."""
+    import pyarrow.parquet as pq
+
+    from gradagg.formats import arrow
+
+    if hasattr(source.parquet, "seek"):
+        source.parquet.seek(0)  # type: ignore[union-attr]
+    schema = pq.read_schema(source.parquet)
+    if command == "mean":
+        if arrow.check_mean_schema(schema, source.name) == 0:
+            raise FormatError("no microbatch")
+    else:
+        arrow.check_owner_schema(schema, source.name)
+
+
+def _parquet() -> Any:
+    """:mod:`gradagg.formats.parquet`, imported only when a Parquet file is read (pyarrow, numpy)."""
+    try:
+        return importlib.import_module("gradagg.formats.parquet")
+    except ImportError as exc:
+        raise FormatError(f"Parquet needs pyarrow and numpy ({exc}); install them with: "
+                          "pip install 'gradagg[parquet]'") from None
+
+
+def verify(args: argparse.Namespace) -> int:
+    """``gradagg verify``: the contract checks, on the built-in implementation or on ``--impl``."""
+    from gradagg.verify import run_checks, run_checks_isolated
+
+    if args.impl is not None and args.contract == "all":
+        raise GradaggError("--impl checks one contract: add --contract owner-sum or --contract microbatch-mean")
+    contracts = CONTRACTS if args.contract == "all" else (args.contract,)
+    observations: list[dict[str, Any]] = []
+    for contract in contracts:
+        if args.impl is None:
+            report = run_checks(contract)
+        else:
+            report, printed = run_checks_isolated(contract, args.impl, timeout=args.timeout)
+            sys.stderr.write(printed if printed.endswith("\n") or not printed else printed + "\n")
+        for obs in report["observations"]:
+            label = obs["check"] if len(contracts) == 1 else f"{contract}: {obs['check']}"
+            observations.append({**obs, "check": label})
+    passed = all(o["passed"] for o in observations)
+    print(json.dumps({"observations": observations, "passed": passed}))
+    return EXIT_OK if passed else EXIT_FAILED
