@@ -36,7 +36,7 @@ def owner_sum(args: argparse.Namespace) -> int:
             batches = _parquet().owner_batches(source.parquet, progress=progress)
             shards, totals = engine.owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
         else:
-            rows = text.read_owner_rows(source.text(), source.fmt, source.name)
+            rows = text.read_owner_rows(source.text, source.fmt, source.name)
             pairs = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
             shards, totals = [s for s, _ in pairs], [t for _, t in pairs]
     results.write_owner_sum(args.output, shards, totals)
@@ -48,12 +48,13 @@ def mean(args: argparse.Namespace) -> int:
     from gradagg import engine
 
     source = _read(args, MEAN)
+    text.check_header(args.header, source.fmt, source.name)
     with _input_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
             batches = _parquet().microbatch_batches(source.parquet, progress=progress)
             means = engine.microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
         else:
-            rows, counts = text.read_microbatches(source.text(), source.fmt, source.name, header=args.header)
+            rows, counts = text.read_microbatches(source.text, source.fmt, source.name, header=args.header)
             means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
     results.write_mean(args.output, means)
     return EXIT_OK
@@ -63,9 +64,7 @@ def _read(args: argparse.Namespace, contract: str) -> detect.Input:
     """Check the engine and ``-o`` (before any work), find the input's format and read what is read whole."""
     _check_engine(args.engine)
     results.check_destination(args.output)
-    source = detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
-    text.check_header(args.header, source.fmt, source.name)
-    return source
+    return detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
 
 
 def _check_engine(name: str) -> None:
@@ -85,13 +84,17 @@ def _input_errors(source: detect.Input, contract: str) -> Iterator[None]:
         message = str(exc) if str(exc).startswith(f"{source.name}: ") else f"{source.name}: {exc}"
         if source.sniffed and isinstance(exc, FormatError):
             others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
-            message += (f" (standard input was read as {source.fmt}, recognised by its content; "
+            message += (f" ({_stream(source.name)} was read as {source.fmt}, recognised by its content; "
                         f"pass --format {others} to read it otherwise)")
         other = _other_contract_reading(source, contract)
         if other is not None:
             message += f" ({source.name} looks like an input of `gradagg {other}`, which reads it)"
         exc.args = (message,)
         raise
+
+
+def _stream(name: str) -> str:
+    return "standard input" if name == "<stdin>" else name
 
 
 def _other_contract_reading(source: detect.Input, contract: str) -> str | None:
@@ -103,28 +106,26 @@ def _other_contract_reading(source: detect.Input, contract: str) -> str | None:
         if source.fmt == "parquet":
             _check_parquet_schema(source, other)
         elif other == "mean":
-            reference.microbatch_mean(*text.read_microbatches(source.text(), source.fmt, source.name))
+            reference.microbatch_mean(*text.read_microbatches(source.text, source.fmt, source.name))
         else:
-            reference.owner_sum(text.read_owner_rows(source.text(), source.fmt, source.name))
+            reference.owner_sum(text.read_owner_rows(source.text, source.fmt, source.name))
     except Exception:  # noqa: BLE001  (a hint only: any failure, pyarrow's included, means no hint)
         return None
     return other
 
 
 def _check_parquet_schema(source: detect.Input, command: str) -> None:
-    """Raise unless the Parquet input's columns are those ``command`` reads (from the footer only)."""
+    """Raise unless the Parquet input has the columns ``command`` reads (its footer only is read)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from gradagg.formats import arrow
 
     if hasattr(source.parquet, "seek"):
         source.parquet.seek(0)  # type: ignore[union-attr]
     schema = pq.read_schema(source.parquet)
-    if command == "mean":
-        if arrow.check_mean_schema(schema, source.name) == 0:
-            raise FormatError("no microbatch")
-    else:
-        arrow.check_owner_schema(schema, source.name)
+    owner_columns = set(text.OWNER_FIELDS) <= set(schema.names)
+    numeric = all(pa.types.is_integer(f.type) or pa.types.is_floating(f.type) for f in schema)
+    if not (owner_columns if command == "owner-sum" else numeric and schema.names and not owner_columns):
+        raise FormatError(f"not an input of {command}")
 
 
 def _parquet() -> Any:

@@ -44,6 +44,9 @@ def run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
         # A reader or writer that did not name its file: the input is the best guess left.
         where = exc.filename or getattr(args, "file", None)
         fail(f"{where + ': ' if where else ''}{exc.strerror or exc}")
+    except ImportError as exc:  # an optional package that is missing, where no better message was given
+        fail(f"{exc.name or 'a package'} is needed and cannot be imported ({exc}); install it, for example with "
+             "pip install 'gradagg[all]'")
     except MemoryError:
         where = getattr(args, "file", None)
         fail(f"{where + ': ' if where else ''}out of memory: the input and what it is turned into do not fit in the "

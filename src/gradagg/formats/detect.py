@@ -2,10 +2,11 @@
 
 The one table of formats is :data:`INPUT_FORMATS` and :data:`OUTPUT_FORMATS`
 (by extension). Files are recognised by ``--format`` or their extension
-(:func:`format_of`); standard input by ``--format`` or its content
+(:func:`format_of`); standard input, and a FIFO or device whose name has no
+known extension (``<(cat x.parquet)`` is ``/dev/fd/63``), by ``--format`` or its content
 (:func:`sniff`), which picks the only reading that could be valid and never
 guesses between two. An output is written in the format its extension names,
-JSON when it names none (:func:`output_format`).
+JSON when it names none.
 
 A regular Parquet file is left to its reader, which streams it. Every other
 input is read here, once, into memory: text (its readers take it whole), and
@@ -32,7 +33,8 @@ _PARQUET_MAGIC = b"PAR1"
 INPUT_FORMATS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 """The input formats by extension (lower case); a file of any other extension needs ``--format``."""
 OUTPUT_FORMATS = INPUT_FORMATS
-"""The output formats by extension: a result is written in the format it would be read in; JSON otherwise."""
+"""The output formats by extension: a result is written in the format it would be read in; JSON otherwise
+(:func:`gradagg.formats.results.output_format`)."""
 _CHUNK = 1 << 20  # bytes per read of an input whose size is not known
 
 
@@ -41,13 +43,9 @@ class Input(NamedTuple):
 
     fmt: str
     name: str  # the path, or <stdin>
-    data: bytes | None  # the whole text input, undecoded (see decode); None for Parquet
+    text: str  # the whole text input, decoded (see decode); "" for Parquet
     parquet: str | BinaryIO | None  # a regular Parquet file's path, or the bytes of another Parquet input as a file
     sniffed: bool  # the format was recognised by content, not named
-
-    def text(self) -> str:
-        """The text of a text input (see :func:`decode`)."""
-        return decode(self.data or b"", self.name)
 
 
 def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO | None) -> Input:
@@ -64,7 +62,8 @@ def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO |
 
     Raises:
         FormatError: a directory; a file of unknown extension and no ``--format``; ``-`` with standard
-            input closed; an input larger than :func:`memory_allowed` allows to read.
+            input closed; an input larger than :func:`memory_allowed` allows to read; text that is
+            empty or not UTF-8 (see :func:`decode`).
         OSError: the file is missing or unreadable.
 
     >>> read_input("-", None, "owner-sum", io.BytesIO(b"[]")).fmt
@@ -77,21 +76,22 @@ def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO |
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise FormatError(f"{path}: is a directory; FILE must be a file, or - for standard input")
-    fmt = format_of(path, explicit)
-    if not stat.S_ISREG(mode):  # a FIFO, a device, <(...): one pass, into memory
+    if not stat.S_ISREG(mode):  # a FIFO, a device, <(...): one pass, into memory, recognised as stdin is
+        named = explicit or INPUT_FORMATS.get(os.path.splitext(path)[1].lower())
         with open(path, "rb") as f:
-            return _in_memory(read_bounded(f, path), path, fmt, contract, sniffed=False)
+            return _in_memory(read_bounded(f, path), path, named, contract)
+    fmt = format_of(path, explicit)
     if fmt == "parquet":
-        return Input(fmt, path, None, path, False)
+        return Input(fmt, path, "", path, False)
     with open(path, "rb") as f:
-        return Input(fmt, path, read_bounded(f, path, os.fstat(f.fileno()).st_size), None, False)
+        return Input(fmt, path, decode(read_bounded(f, path, os.fstat(f.fileno()).st_size), path), None, False)
 
 
-def _in_memory(data: bytes, name: str, explicit: str | None, contract: str, *, sniffed: bool = True) -> Input:
-    fmt = explicit or sniff(data, contract)
+def _in_memory(data: bytes, name: str, named: str | None, contract: str) -> Input:
+    fmt = named or sniff(data, contract)
     if fmt == "parquet":  # its footer is at its end: it is read from memory
-        return Input(fmt, name, None, io.BytesIO(data), sniffed and explicit is None)
-    return Input(fmt, name, data, None, sniffed and explicit is None)
+        return Input(fmt, name, "", io.BytesIO(data), named is None)
+    return Input(fmt, name, decode(data, name), None, named is None)
 
 
 def read_bounded(f: BinaryIO, name: str, size: int | None = None) -> bytes:
@@ -176,13 +176,6 @@ def format_of(path: str, explicit: str | None) -> str:
     return INPUT_FORMATS[ext]
 
 
-def output_format(path: str) -> str:
-    """The format a result is written in to ``path``: the one its extension names, else JSON.
-
-    >>> output_format("out.jsonl"), output_format("OUT.Parquet"), output_format("/dev/stdout")
-    ('jsonl', 'parquet', 'json')
-    """
-    return OUTPUT_FORMATS.get(os.path.splitext(path)[1].lower(), "json")
 
 
 def sniff(data: bytes, contract: str) -> str:

@@ -1,8 +1,8 @@
 """A result written where the command line sends it, in the format that destination names.
 
 Standard output gets JSON. ``-o OUT`` gets the format of its extension
-(:func:`gradagg.formats.detect.output_format`: ``.parquet``, ``.csv``, ``.jsonl``
-or ``.ndjson``, anything else JSON), written atomically (:mod:`gradagg.formats.atomic`).
+(:func:`output_format`: ``.parquet``, ``.csv``, ``.jsonl`` or ``.ndjson``,
+anything else JSON), written atomically (:mod:`gradagg.formats.atomic`).
 A failure to write names the output: the file, or standard output.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from gradagg.errors import GradaggError, OutputError
 from gradagg.formats import text
 from gradagg.formats.atomic import check_target, write_atomic
-from gradagg.formats.detect import output_format
+from gradagg.formats.detect import OUTPUT_FORMATS
 
 STDOUT = "standard output"
 
@@ -33,6 +34,15 @@ def check_destination(path: str | None) -> None:
         raise OutputError(f"{STDOUT} is closed; pass -o OUT to write the result to a file")
 
 
+def output_format(path: str | None) -> str:
+    """The format a result is written in to ``path`` (None: standard output): the one its extension names, else JSON.
+
+    >>> output_format("out.jsonl"), output_format("OUT.Parquet"), output_format("/dev/stdout"), output_format(None)
+    ('jsonl', 'parquet', 'json', 'json')
+    """
+    return "json" if path is None else OUTPUT_FORMATS.get(os.path.splitext(path)[1].lower(), "json")
+
+
 def write_owner_sum(path: str | None, shards: Any, totals: Any) -> None:
     """Write an owner-sum result (its two columns) to ``path``, or to standard output when it is None.
 
@@ -44,7 +54,7 @@ def write_owner_sum(path: str | None, shards: Any, totals: Any) -> None:
     Raises:
         OutputError: the result cannot be written there, naming the output and why.
     """
-    fmt = "json" if path is None else output_format(path)
+    fmt = output_format(path)
     with _named(path):
         if fmt == "parquet":
             _parquet().write_owner_sum(path, shards, totals)
@@ -54,7 +64,7 @@ def write_owner_sum(path: str | None, shards: Any, totals: Any) -> None:
 
 def write_mean(path: str | None, means: Any) -> None:
     """Write the P means to ``path``, or to standard output when it is None (see :func:`write_owner_sum`)."""
-    fmt = "json" if path is None else output_format(path)
+    fmt = output_format(path)
     with _named(path):
         if fmt == "parquet":
             _parquet().write_mean(path, means)
