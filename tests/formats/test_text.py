@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gradagg.errors import FormatError, OutputError
-from gradagg.formats import detect, text
+from gradagg.formats import detect, results, text
 
 
 def csv_mean(body: str, header: bool | None = None) -> list:
@@ -142,13 +142,13 @@ def test_decode() -> None:
 
 
 def test_csv_output_cells() -> None:
-    assert text.result_to_csv([["", 1], [" a", float("nan")], ["q", [1, -0.0]]], "owner-sum") == (
+    assert results.result_to_csv([["", 1], [" a", float("nan")], ["q", [1, -0.0]]], "owner-sum") == (
         'shard_id,total\n"",1\n" a",nan\nq,"[1, -0.0]"\n')
-    assert text.result_to_csv([0.5, float("-inf")], "microbatch-mean") == "parameter,mean\n0,0.5\n1,-inf\n"
+    assert results.result_to_csv([0.5, float("-inf")], "microbatch-mean") == "parameter,mean\n0,0.5\n1,-inf\n"
 
 
 def test_output_that_python_cannot_write() -> None:
     with pytest.raises(OutputError, match="shard 'x' is an integer of about 4301 digits"):
-        text.dumps_result([["x", 10**4300]])
+        results.dumps_result([["x", 10**4300]])
     with pytest.raises(OutputError, match="out.csv: cannot write CSV: line 1 holds the lone surrogate U[+]DC00"):
-        text.encode_csv("\udc00", "out.csv")
+        results.encode_csv("\udc00", "out.csv")

@@ -1,4 +1,4 @@
-"""An owner-sum result given as its two columns (``text.Columns``), written as JSON, JSON Lines and CSV.
+"""An owner-sum result given as its two columns (``results.Columns``), written as JSON, JSON Lines and CSV.
 
 The oracle is the pairs path: ``json.dumps(list(zip(shards, totals)))`` and ``result_to_csv(pairs, "owner-sum")``
 (repr per cell). The engines' columns are NumPy arrays (or lists); :mod:`gradagg.formats.results` turns them
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradagg.errors import OutputError
-from gradagg.formats import results, text
+from gradagg.formats import results
 
 FUZZ = settings(derandomize=True, deadline=None, max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 
@@ -44,7 +44,7 @@ int64s = st.one_of(st.sampled_from(INT64), st.integers(-(2**63), 2**63 - 1))
 def oracle(pairs: list[tuple[Any, Any]]) -> tuple[str, str, str]:
     """The pairs path's JSON, JSON Lines and CSV of the same values as Python objects."""
     return (json.dumps(pairs) + "\n", "".join(json.dumps(p) + "\n" for p in pairs),
-            text.result_to_csv(pairs, "owner-sum"))
+            results.result_to_csv(pairs, "owner-sum"))
 
 
 def written(tmp_path: Path, shards: Any, totals: Any) -> tuple[str, str, str]:
@@ -97,13 +97,13 @@ def test_known_text(tmp_path: Path) -> None:
 )
 def test_plain_columns_are_written_as_their_pairs(shards: Any, totals: Any) -> None:
     pairs = list(zip(shards, totals))
-    columns = text.Columns(shards, totals)
-    assert text.dumps_result(columns) == text.dumps_result(pairs)
-    assert text.result_to_csv(columns, "owner-sum") == text.result_to_csv(pairs, "owner-sum")
+    columns = results.Columns(shards, totals)
+    assert results.dumps_result(columns) == results.dumps_result(pairs)
+    assert results.result_to_csv(columns, "owner-sum") == results.result_to_csv(pairs, "owner-sum")
 
 
 def test_an_integer_too_long_to_write_is_the_same_error() -> None:
     big = 10 ** (4300 + 5)  # (built as a number: Python refuses only to write it as text)
     for fmt in ("json", "jsonl", "csv"):
         with pytest.raises(OutputError, match="the total of shard 'x' is an integer of about"):
-            text.result_text(text.Columns(["x"], [big]), "owner-sum", fmt)
+            results.result_text(results.Columns(["x"], [big]), "owner-sum", fmt)

@@ -2,24 +2,22 @@
 
 Each reads its input once (:func:`gradagg.formats.detect.read_input`), hands
 the rows or Parquet batches to :mod:`gradagg.engine`, and writes the result
-(:mod:`gradagg.formats.results`). An error in the input names the file: the
-format readers' errors do already, the contract's (``row 3: ...``) get the
-file's name in front, and an input that the other contract reads says so.
+(:mod:`gradagg.formats.results`). An error in the input names the file
+(:func:`gradagg.formats.detect.named_errors`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from gradagg.cli.progress import progress_for
-from gradagg.errors import FormatError, GradaggError
+from gradagg.errors import FormatError, GradaggError, OutputError
 from gradagg.formats import detect, results, text
+from gradagg.formats.atomic import check_target
 from gradagg.options import CONTRACTS
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -31,7 +29,7 @@ def owner_sum(args: argparse.Namespace) -> int:
     from gradagg import engine
 
     source = _read(args, OWNER_SUM)
-    with _input_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+    with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
             batches = _parquet().owner_batches(source.parquet, progress=progress)
             shards, totals = engine.owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
@@ -48,9 +46,9 @@ def mean(args: argparse.Namespace) -> int:
     from gradagg import engine
 
     source = _read(args, MEAN)
-    text.check_header(args.header, source.fmt, source.name)
-    with _input_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+    with detect.named_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
+            text.check_header(args.header, source.fmt, source.name)  # (the text readers check it themselves)
             batches = _parquet().microbatch_batches(source.parquet, progress=progress)
             means = engine.microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
         else:
@@ -63,7 +61,10 @@ def mean(args: argparse.Namespace) -> int:
 def _read(args: argparse.Namespace, contract: str) -> detect.Input:
     """Check the engine and ``-o`` (before any work), find the input's format and read what is read whole."""
     _check_engine(args.engine)
-    results.check_destination(args.output)
+    if args.output is not None:
+        check_target(args.output)
+    elif sys.stdout is None:
+        raise OutputError("standard output is closed; pass -o OUT to write the result to a file")
     return detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
 
 
@@ -73,59 +74,6 @@ def _check_engine(name: str) -> None:
     if name != "auto" and name not in available_engines():
         raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
                            f"pip install 'gradagg[{name}]' (or use --engine auto or python)")
-
-
-@contextlib.contextmanager
-def _input_errors(source: detect.Input, contract: str) -> Iterator[None]:
-    """An error in reading or applying the contract: named after the input, with what may explain it."""
-    try:
-        yield
-    except GradaggError as exc:
-        message = str(exc) if str(exc).startswith(f"{source.name}: ") else f"{source.name}: {exc}"
-        if source.sniffed and isinstance(exc, FormatError):
-            others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
-            message += (f" ({_stream(source.name)} was read as {source.fmt}, recognised by its content; "
-                        f"pass --format {others} to read it otherwise)")
-        other = _other_contract_reading(source, contract)
-        if other is not None:
-            message += f" ({source.name} looks like an input of `gradagg {other}`, which reads it)"
-        exc.args = (message,)
-        raise
-
-
-def _stream(name: str) -> str:
-    return "standard input" if name == "<stdin>" else name
-
-
-def _other_contract_reading(source: detect.Input, contract: str) -> str | None:
-    """The command of the other contract when it reads this input without error (checked only on an error)."""
-    from gradagg import reference
-
-    other = "mean" if contract == OWNER_SUM else "owner-sum"
-    try:
-        if source.fmt == "parquet":
-            _check_parquet_schema(source, other)
-        elif other == "mean":
-            reference.microbatch_mean(*text.read_microbatches(source.text, source.fmt, source.name))
-        else:
-            reference.owner_sum(text.read_owner_rows(source.text, source.fmt, source.name))
-    except Exception:  # noqa: BLE001  (a hint only: any failure, pyarrow's included, means no hint)
-        return None
-    return other
-
-
-def _check_parquet_schema(source: detect.Input, command: str) -> None:
-    """Raise unless the Parquet input has the columns ``command`` reads (its footer only is read)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if hasattr(source.parquet, "seek"):
-        source.parquet.seek(0)  # type: ignore[union-attr]
-    schema = pq.read_schema(source.parquet)
-    owner_columns = set(text.OWNER_FIELDS) <= set(schema.names)
-    numeric = all(pa.types.is_integer(f.type) or pa.types.is_floating(f.type) for f in schema)
-    if not (owner_columns if command == "owner-sum" else numeric and schema.names and not owner_columns):
-        raise FormatError(f"not an input of {command}")
 
 
 def _parquet() -> Any:

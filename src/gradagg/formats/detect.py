@@ -19,14 +19,16 @@ naming it, before its bytes are read where its size is known.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import json
 import os
 import re
 import stat
+from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
-from gradagg.errors import FormatError
+from gradagg.errors import FormatError, GradaggError
 
 _SPACES = re.compile(rb"[ \t\r\n]*")
 _PARQUET_MAGIC = b"PAR1"
@@ -35,6 +37,7 @@ INPUT_FORMATS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv":
 OUTPUT_FORMATS = INPUT_FORMATS
 """The output formats by extension: a result is written in the format it would be read in; JSON otherwise
 (:func:`gradagg.formats.results.output_format`)."""
+_COMMANDS = {"owner-sum": "owner-sum", "microbatch-mean": "mean"}  # each contract's command
 _CHUNK = 1 << 20  # bytes per read of an input whose size is not known
 
 
@@ -268,3 +271,101 @@ def decode(data: bytes, source: str) -> str:
         raise FormatError(f"{source}: the input is empty (0 bytes); an input with no rows is [] in JSON "
                           "or a header line in CSV")
     return text
+
+
+@contextlib.contextmanager
+def named_errors(source: Input, contract: str) -> Iterator[None]:
+    """Errors in reading ``source`` or applying ``contract`` to it, named after it, with what may explain them.
+
+    The contract's errors (``row 3: ...``) get the input's name in front (the readers' have it); an input
+    recognised by its content says which ``--format`` reads it otherwise; an input that looks like the other
+    contract's (:func:`contract_of`) says which command reads it.
+
+    >>> try:
+    ...     with named_errors(Input("json", "m.json", '{"rows": [[1]]}', None, False), "owner-sum"):
+    ...         raise FormatError("expected a JSON array of rows, got dict")
+    ... except FormatError as exc:
+    ...     print(exc)
+    m.json: expected a JSON array of rows, got dict (m.json looks like an input of `gradagg mean`, which reads it)
+    """
+    try:
+        yield
+    except GradaggError as exc:
+        message = str(exc) if str(exc).startswith(f"{source.name}: ") else f"{source.name}: {exc}"
+        if source.sniffed and isinstance(exc, FormatError):
+            stream = "standard input" if source.name == "<stdin>" else source.name
+            others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
+            message += (f" ({stream} was read as {source.fmt}, recognised by its content; "
+                        f"pass --format {others} to read it otherwise)")
+        other = contract_of(source)
+        if other is not None and other != contract:
+            message += f" ({source.name} looks like an input of `gradagg {_COMMANDS[other]}`, which reads it)"
+        exc.args = (message,)
+        raise
+
+
+def contract_of(source: Input) -> str | None:
+    """Which contract's input ``source`` looks like, from its shape alone: ``owner-sum``, ``microbatch-mean``
+    or None (either, or neither). Only a hint for a message: the readers and the contract decide.
+
+    Owner-sum rows are 4 values whose last is a number or a list of numbers (or JSON objects of its four
+    keys, or a CSV under its header); mean rows are lists of numbers and nulls of one length (or a JSON
+    object with ``rows``); in Parquet the owner-sum columns are named, the mean's are all numeric.
+
+    >>> contract_of(Input("json", "m.json", '{"rows": [[1, null]]}', None, False))
+    'microbatch-mean'
+    >>> contract_of(Input("csv", "r.csv", "shard_id,worker_id,owner_id,gradient\\nx,a,a,1\\n", None, False))
+    'owner-sum'
+    """
+    try:
+        if source.fmt == "parquet":
+            return _parquet_contract(source.parquet)
+        if source.fmt == "csv":
+            return _csv_contract(source.text)
+        if source.fmt == "jsonl":
+            return _rows_contract([json.loads(line) for line in source.text.splitlines() if line.strip()])
+        value = json.loads(source.text)
+    except Exception:  # noqa: BLE001  (a hint only: what cannot be read, pyarrow's errors included, gives none)
+        return None
+    if isinstance(value, dict):
+        return "microbatch-mean" if "rows" in value else None
+    return _rows_contract(value) if isinstance(value, list) else None
+
+
+def _rows_contract(rows: list[object]) -> str | None:
+    def number(x: object) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    def owner_row(r: object) -> bool:
+        if isinstance(r, dict):
+            return set(r) == {"shard_id", "worker_id", "owner_id", "gradient"}
+        return (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int | str) for x in r[:3])
+                and (number(r[3]) or isinstance(r[3], list) and all(map(number, r[3]))))
+
+    def mean_row(r: object) -> bool:
+        return isinstance(r, list) and all(x is None or number(x) for x in r)
+
+    owner = all(map(owner_row, rows))
+    mean = all(map(mean_row, rows)) and len({len(r) for r in rows if isinstance(r, list)}) == 1
+    return None if not rows or owner == mean else "owner-sum" if owner else "microbatch-mean"
+
+
+def _csv_contract(text: str) -> str | None:
+    lines = [line.split(",") for line in text.splitlines()[:50]]
+    if lines and [c.strip() for c in lines[0]] == ["shard_id", "worker_id", "owner_id", "gradient"]:
+        return "owner-sum"
+    numbers = re.compile(r"\s*([+-]?[0-9.eE+-]+|[+-]?(nan|inf|infinity))?\s*", re.IGNORECASE)
+    return "microbatch-mean" if all(numbers.fullmatch(c) for line in lines[1:] for c in line) else None
+
+
+def _parquet_contract(parquet: object) -> str | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if hasattr(parquet, "seek"):
+        parquet.seek(0)
+    schema = pq.read_schema(parquet)
+    if {"shard_id", "worker_id", "owner_id", "gradient"} <= set(schema.names):
+        return "owner-sum"
+    numeric = all(pa.types.is_integer(f.type) or pa.types.is_floating(f.type) for f in schema)
+    return "microbatch-mean" if numeric and schema.names else None

@@ -1,7 +1,8 @@
-"""JSON, JSON Lines and CSV: text into rows, results into text. Read and write only.
+"""JSON, JSON Lines and CSV: text into rows. Read only (results are written by :mod:`gradagg.formats.results`).
 
 Readers turn text into the plain Python rows of :mod:`gradagg.reference` and
-nothing else: they check the *text* (a parse error names the line), never the
+nothing else (each format's reader is one module: :mod:`gradagg.formats._json`,
+:mod:`gradagg.formats._csv`): they check the *text* (a parse error names the line), never the
 contract (ids, gradient types, lengths: the reference checks those and names
 the row). Rows are numbered from 0 in file order, not counting a CSV header.
 
@@ -44,17 +45,13 @@ Rules that hold in every format:
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from gradagg.errors import FormatError, OutputError, short_repr
+from gradagg.errors import FormatError
 from gradagg.formats import _csv, _json
 from gradagg.formats._json import OWNER_FIELDS
 
-__all__ = ["OWNER_FIELDS", "Columns", "check_header", "dumps_result", "encode_csv", "read_microbatches",
-           "read_owner_rows", "result_text", "result_to_csv"]
+__all__ = ["OWNER_FIELDS", "check_header", "read_microbatches", "read_owner_rows"]
 
 
 # --- owner-sum rows ------------------------------------------------------------
@@ -127,130 +124,3 @@ def check_header(header: bool | None, fmt: str, source: str) -> None:
     """
     if header is not None and fmt != "csv":
         raise FormatError(f"{source}: --header and --no-header apply to CSV input only, not {fmt}")
-
-
-# --- writing -----------------------------------------------------------------------
-
-
-class Columns(NamedTuple):
-    """An owner-sum result as its two columns of plain Python values, written as the pairs ``zip(shards, totals)``.
-
-    The columns are zipped only as they are written, so no list per pair is made.
-    """
-
-    shards: Sequence[Any]
-    totals: Sequence[Any]
-
-
-def result_text(result: Any, contract: str, fmt: str) -> str:
-    """A result as the text of ``fmt``: ``json`` (one line), ``jsonl`` (one element a line) or ``csv``.
-
-    Args:
-        result: a list of means, or of ``[shard, total]`` pairs, or :class:`Columns`.
-        contract: ``owner-sum`` or ``microbatch-mean`` (the CSV header).
-        fmt: the output format.
-
-    Returns:
-        The text, ending in a newline.
-
-    Raises:
-        OutputError: an integer with more digits than Python writes as text.
-
-    >>> print(result_text(Columns(["x", "y"], [1, 2.5]), "owner-sum", "jsonl"), end="")
-    ["x", 1]
-    ["y", 2.5]
-    """
-    if fmt == "csv":
-        return result_to_csv(result, contract)
-    if fmt == "jsonl":
-        pairs = list(zip(*result)) if isinstance(result, Columns) else result
-        try:
-            return "".join(json.dumps(item) + "\n" for item in pairs)
-        except ValueError:
-            raise _unwritable(pairs) from None
-    return dumps_result(result) + "\n"
-
-
-def dumps_result(result: Any) -> str:
-    """The JSON text of a result (NaN and Infinity written as Python's json does; ASCII only).
-
-    Args:
-        result: a list of values or of ``[shard, total]`` pairs, or :class:`Columns`.
-
-    Returns:
-        ``json.dumps`` of the result (of ``list(zip(shards, totals))`` for columns).
-
-    Raises:
-        OutputError: an integer with more digits than Python writes as text.
-
-    >>> dumps_result([["x", 1], ["y", 2]])
-    '[["x", 1], ["y", 2]]'
-    >>> dumps_result(Columns([3, 7], [-0.0, float("nan")]))
-    '[[3, -0.0], [7, NaN]]'
-    """
-    if isinstance(result, Columns):
-        result = list(zip(*result))  # tuples, not lists: json writes them alike, and 10^6 small lists cost a second
-    try:
-        return json.dumps(result)
-    except ValueError:
-        raise _unwritable(result) from None
-
-
-def result_to_csv(result: Any, contract: str) -> str:
-    """A result as CSV: ``shard_id,total`` rows, or ``parameter,mean`` rows.
-
-    A cell is quoted when it holds a comma, a quote, a line break or
-    surrounding spaces (the csv module would leave a lone carriage return
-    unquoted); a vector total is a JSON array cell. An owner-sum result may
-    be :class:`Columns`, written as its pairs are.
-
-    >>> print(result_to_csv([["x", 1], ["a,b", [1.5, 2]]], "owner-sum"), end="")
-    shard_id,total
-    x,1
-    "a,b","[1.5, 2]"
-    """
-    if isinstance(result, Columns):
-        result = list(zip(*result))
-    try:
-        if contract == "owner-sum":
-            lines = ["shard_id,total"] + [f"{_cell(s)},{_cell(t)}" for s, t in result]
-        else:
-            lines = ["parameter,mean"] + [f"{j},{_cell(m)}" for j, m in enumerate(result)]
-    except ValueError:
-        raise _unwritable(result) from None
-    return "\n".join(lines) + "\n"
-
-
-def encode_csv(text: str, target: str = "output") -> bytes:
-    """The UTF-8 bytes of a CSV result; a lone surrogate (which JSON input can hold, UTF-8 cannot) is an error.
-
-    >>> encode_csv("shard_id,total\\nü,1\\n", "out.csv")
-    b'shard_id,total\\n\\xc3\\xbc,1\\n'
-    """
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        line = text.count("\n", 0, exc.start) + 1
-        raise OutputError(
-            f"{target}: cannot write CSV: line {line} holds the lone surrogate U+{ord(text[exc.start]):04X} (from a "
-            f"JSON escape such as \\ud800), which UTF-8 cannot encode; write JSON instead (-o FILE.json)"
-        ) from None
-
-
-def _unwritable(result: Any) -> OutputError:
-    """The error for a result that holds an integer too long for Python to write as text."""
-    limit = sys.get_int_max_str_digits()
-    for shard, total in result:
-        for x in total if isinstance(total, list) else [total]:
-            if isinstance(x, int) and x.bit_length() * 0.30103 > limit - 1:
-                return OutputError(f"cannot write the result as text: the total of shard {short_repr(shard)} is an "
-                                   f"integer of about {int(x.bit_length() * 0.30103) + 1} digits, over Python's "
-                                   f"limit of {limit} digits for writing one")
-    return OutputError("cannot write the result as text")
-
-
-def _cell(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, list) else value if isinstance(value, str) else repr(value)
-    if text == "" or text != text.strip() or any(c in text for c in ',"\r\n'):
-        return '"' + text.replace('"', '""') + '"'
-    return text
