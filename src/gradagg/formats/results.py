@@ -159,7 +159,7 @@ def dumps_result(result: Any) -> str:
     '[[3, -0.0], [7, NaN]]'
     """
     if isinstance(result, Columns):
-        result = list(zip(*result))  # tuples, not lists: json writes them alike, and 10^6 small lists cost a second
+        result = list(zip(*result))  # tuples, not lists: json writes them alike, and a tuple is cheaper to make
     try:
         return json.dumps(result)
     except ValueError:
