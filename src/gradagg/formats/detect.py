@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
 from gradagg.errors import FormatError, GradaggError
+from gradagg.formats._csv import is_number
+from gradagg.formats._json import OWNER_FIELDS
 
 _SPACES = re.compile(rb"[ \t\r\n]*")
 _PARQUET_MAGIC = b"PAR1"
@@ -338,7 +340,7 @@ def _rows_contract(rows: list[object]) -> str | None:
 
     def owner_row(r: object) -> bool:
         if isinstance(r, dict):
-            return set(r) == {"shard_id", "worker_id", "owner_id", "gradient"}
+            return set(r) == set(OWNER_FIELDS)
         return (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int | str) for x in r[:3])
                 and (number(r[3]) or isinstance(r[3], list) and all(map(number, r[3]))))
 
@@ -352,10 +354,10 @@ def _rows_contract(rows: list[object]) -> str | None:
 
 def _csv_contract(text: str) -> str | None:
     lines = [line.split(",") for line in text.splitlines()[:50]]
-    if lines and [c.strip() for c in lines[0]] == ["shard_id", "worker_id", "owner_id", "gradient"]:
+    if lines and [c.strip() for c in lines[0]] == list(OWNER_FIELDS):
         return "owner-sum"
-    numbers = re.compile(r"\s*([+-]?[0-9.eE+-]+|[+-]?(nan|inf|infinity))?\s*", re.IGNORECASE)
-    return "microbatch-mean" if all(numbers.fullmatch(c) for line in lines[1:] for c in line) else None
+    cells = [c.strip() for line in lines[1:] for c in line]
+    return "microbatch-mean" if all(c == "" or is_number(c) for c in cells) else None
 
 
 def _parquet_contract(parquet: object) -> str | None:
@@ -365,7 +367,7 @@ def _parquet_contract(parquet: object) -> str | None:
     if hasattr(parquet, "seek"):
         parquet.seek(0)
     schema = pq.read_schema(parquet)
-    if {"shard_id", "worker_id", "owner_id", "gradient"} <= set(schema.names):
+    if set(OWNER_FIELDS) <= set(schema.names):
         return "owner-sum"
     numeric = all(pa.types.is_integer(f.type) or pa.types.is_floating(f.type) for f in schema)
     return "microbatch-mean" if numeric and schema.names else None
