@@ -130,7 +130,7 @@ def read_bounded(f: BinaryIO, name: str, size: int | None = None) -> bytes:
 
 def _too_large(name: str, what: str, bound: int) -> FormatError:
     return FormatError(f"{name}: {what}; an input read into memory may take at most half the memory allowed "
-                       f"({bound:,} bytes; see ulimit -v): give a Parquet file, which is read in batches")
+                       f"({bound:,} bytes; see ulimit -v): give a regular Parquet file, which is read in batches")
 
 
 def memory_allowed() -> int:
