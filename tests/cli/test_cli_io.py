@@ -223,10 +223,12 @@ def test_signals_stop_a_command_waiting_on_a_fifo(tmp_path: Path, signum: int, w
 
 
 def test_a_device_is_read_with_a_bound(tmp_path: Path) -> None:
-    """/dev/zero never ends: what is read stops at half the memory allowed, with a line that says so."""
-    run = finish(gradagg("owner-sum", "/dev/zero", "--format", "json", limit_bytes=512 << 20), timeout=120)
-    line = run.error("/dev/zero: holds more than")
-    assert "half the memory allowed" in line
+    """/dev/zero never ends: as CSV (where a NUL may be in a cell) what is read stops at half the memory
+    allowed, with a line that says so; as JSON (where a NUL never is) at its first byte, the reader's error."""
+    run = finish(gradagg("owner-sum", "/dev/zero", "--format", "csv", limit_bytes=512 << 20), timeout=120)
+    assert "half the memory allowed" in run.error("/dev/zero: holds more than")
+    for fmt in ("json", "jsonl"):
+        finish(gradagg("mean", "/dev/zero", "--format", fmt)).error("/dev/zero: line 1 column 1: invalid JSON")
 
 
 # --- memory limits: one line naming the file, exit 2 ----------------------------------------------------------

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradagg.errors import FormatError, GradaggError
 from gradagg.formats import detect
@@ -145,3 +149,31 @@ def test_named_errors_name_the_input_once() -> None:
         with pytest.raises(GradaggError) as info, detect.named_errors(source, "owner-sum"):
             raise GradaggError(raised)
         assert str(info.value) == shown
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(at=st.integers(0, 200), fmt=st.sampled_from(["json", "jsonl"]), chunk=st.integers(1, 40))
+def test_json_read_up_to_a_nul_fails_as_the_whole_input(at: int, fmt: str, chunk: int) -> None:
+    """A NUL byte is never valid JSON: reading a stream stops at the first one (so /dev/zero ends at once), and
+    the reader's error on what was read is its error on the whole (UTF-8) input. Multibyte characters around
+    the NUL check that the cut never splits one."""
+    from gradagg.formats import text
+
+    rows = [["x\u00e9\u20ac", 0, 0, [1.5, -2]], ["y", "a", "a", 3]] * 4
+    dumps = functools.partial(json.dumps, ensure_ascii=False)
+    body = (dumps(rows, indent=1) if fmt == "json" else "".join(dumps(r) + "\n" for r in rows)).encode()
+    data = body[:at] + b"\0" + body[at:] + b"\0" * 5000
+    original = detect._CHUNK
+    detect._CHUNK = chunk  # (the module's read size: small, so that the stop cuts the input short)
+    try:
+        read = detect.read_bounded(io.BytesIO(data), "s", json_text=True)  # type: ignore[arg-type]
+    finally:
+        detect._CHUNK = original
+    assert len(read) == data.index(b"\0") + 1
+
+    def error(raw: bytes) -> str:
+        with pytest.raises(FormatError) as info:
+            text.read_owner_rows(detect.decode(raw, "s"), fmt, "s")
+        return str(info.value)
+
+    assert error(read) == error(data)

@@ -41,6 +41,7 @@ OUTPUT_FORMATS = INPUT_FORMATS
 (:func:`gradagg.formats.results.output_format`)."""
 _COMMANDS = {"owner-sum": "owner-sum", "microbatch-mean": "mean"}  # each contract's command
 _CHUNK = 1 << 20  # bytes per read of an input whose size is not known
+_JSON = ("json", "jsonl")
 
 
 class Input(NamedTuple):
@@ -77,14 +78,14 @@ def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO |
     if path == "-":
         if stdin is None:
             raise FormatError("<stdin>: standard input is closed; give a FILE, or open standard input")
-        return _in_memory(read_bounded(stdin, "<stdin>"), "<stdin>", explicit, contract)
+        return _in_memory(read_bounded(stdin, "<stdin>", json_text=explicit in _JSON), "<stdin>", explicit, contract)
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise FormatError(f"{path}: is a directory; FILE must be a file, or - for standard input")
     if not stat.S_ISREG(mode):  # a FIFO, a device, <(...): one pass, into memory, recognised as stdin is
         named = explicit or INPUT_FORMATS.get(os.path.splitext(path)[1].lower())
         with open(path, "rb") as f:
-            return _in_memory(read_bounded(f, path), path, named, contract)
+            return _in_memory(read_bounded(f, path, json_text=named in _JSON), path, named, contract)
     fmt = format_of(path, explicit)
     if fmt == "parquet":
         return Input(fmt, path, "", path, False)
@@ -99,13 +100,16 @@ def _in_memory(data: bytes, name: str, named: str | None, contract: str) -> Inpu
     return Input(fmt, name, decode(data, name), None, named is None)
 
 
-def read_bounded(f: BinaryIO, name: str, size: int | None = None) -> bytes:
+def read_bounded(f: BinaryIO, name: str, size: int | None = None, *, json_text: bool = False) -> bytes:
     """All of ``f``, or an error naming ``name`` once it is more than :func:`memory_allowed` allows.
 
     Args:
         f: the open input.
         name: its name for messages.
         size: its size when known (a regular file): checked before anything is read.
+        json_text: the input is JSON or JSON Lines, where a NUL byte is never valid (not a space, and
+            a control character inside a string): reading stops at the first one, so ``/dev/zero``
+            ends at once, and the reader reports the first error, which is there or before it.
 
     Returns:
         The bytes.
@@ -125,6 +129,9 @@ def read_bounded(f: BinaryIO, name: str, size: int | None = None) -> bytes:
         total += len(chunk)
         if total > bound:
             raise _too_large(name, f"holds more than {bound:,} bytes (read so far)", bound)
+        if json_text and b"\0" in chunk:  # the input is invalid: up to the NUL holds its first error
+            chunks[-1] = chunk[:chunk.index(b"\0") + 1]
+            break
     return b"".join(chunks)
 
 
@@ -134,26 +141,32 @@ def _too_large(name: str, what: str, bound: int) -> FormatError:
 
 
 def memory_allowed() -> int:
-    """The bytes this process may hold: the least of its address-space and data limits and the machine's memory.
+    """The bytes this process may hold: the least of its address-space and data limits (``ulimit -v``,
+    ``ulimit -d``), the machine's memory, and what of it is available now (Linux: beyond that, it swaps).
 
     >>> memory_allowed() > 0
     True
     """
-    limits = []
-    try:
+    limits = [_available_memory()]
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # no sysconf (Windows), or no such name
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         import resource
-    except ImportError:
-        resource = None  # type: ignore[assignment]
-    if resource is not None:
+
         for name in ("RLIMIT_AS", "RLIMIT_DATA"):
             soft = resource.getrlimit(getattr(resource, name))[0] if hasattr(resource, name) else -1
             if soft not in (-1, resource.RLIM_INFINITY):
                 limits.append(soft)
-    return min(limits, default=2**63 - 1)
+    return min(limits)
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes; unbounded where there is no such file."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 2**63 - 1
 
 
 def format_of(path: str, explicit: str | None) -> str:
