@@ -87,7 +87,8 @@ def _named(path: str | None) -> Iterator[None]:
         message = str(exc.strerror or exc) if isinstance(exc, OSError) else str(exc)
         if message.startswith(f"{where}: "):
             raise
-        raise OutputError(f"{where}: cannot write the result: {message}") from None
+        what = "" if message.startswith("cannot write") else "cannot write the result: "
+        raise OutputError(f"{where}: {what}{message}") from None
 
 
 def _parquet() -> Any:
