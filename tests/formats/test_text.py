@@ -1,4 +1,4 @@
-"""The text readers and writers: what each cell, line and byte means (gradagg.formats.text, detect, _csv, _json)."""
+"""The text readers: what each cell and line means (gradagg.formats.text, _csv, _json)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gradagg.errors import FormatError, OutputError
-from gradagg.formats import detect, text
+from gradagg.errors import FormatError
+from gradagg.formats import text
 
 
 def csv_mean(body: str, header: bool | None = None) -> list:
@@ -104,51 +104,3 @@ def test_json_infinity_literals_stay_allowed_but_overflow_is_not() -> None:
 
 def test_json_escaped_lone_surrogates_are_read_as_they_are() -> None:
     assert text.read_owner_rows('[["\\ud800", 0, 0, 1]]', "json") == [["\ud800", 0, 0, 1]]
-
-
-# --- formats and bytes --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("data", "contract", "fmt"),
-    [
-        (b"PAR1....PAR1", "owner-sum", "parquet"),
-        (b"", "owner-sum", "csv"),
-        (b"shard_id,worker_id,owner_id,gradient\n", "owner-sum", "csv"),
-        (b"  \n [] ", "owner-sum", "json"),
-        (b'\xef\xbb\xbf["x", 0, 0, 1]', "owner-sum", "jsonl"),
-        (b'{"shard_id": "x"}', "owner-sum", "jsonl"),
-        (b'{"rows": []}', "microbatch-mean", "json"),
-        (b"[\n[1, 2]\n]", "microbatch-mean", "json"),
-        (b"[1, 2]\n\n[3, 4]\n", "microbatch-mean", "jsonl"),
-        (b"[1e999]\n[3]\n", "microbatch-mean", "jsonl"),  # a whole value, only a bad one: JSON Lines names it
-        (b"[[1]]", "microbatch-mean", "json"),
-        (b"[ {}", "owner-sum", "json"),
-    ],
-)
-def test_sniff(data: bytes, contract: str, fmt: str) -> None:
-    assert detect.sniff(data, contract) == fmt
-
-
-def test_decode() -> None:
-    assert detect.decode(b"\xef\xbb\xbfa", "x") == "a"
-    with pytest.raises(FormatError, match=r"x: not UTF-8 text: byte 0xed at offset 3 \(line 2\)"):
-        detect.decode(b"[]\n\xed\xa0\x80", "x")  # an encoded surrogate is not UTF-8
-    with pytest.raises(FormatError, match=r"x: the input is empty \(0 bytes\)"):
-        detect.decode(b"\xef\xbb\xbf", "x")
-
-
-# --- writing ---------------------------------------------------------------------------------------------
-
-
-def test_csv_output_cells() -> None:
-    assert text.result_to_csv([["", 1], [" a", float("nan")], ["q", [1, -0.0]]], "owner-sum") == (
-        'shard_id,total\n"",1\n" a",nan\nq,"[1, -0.0]"\n')
-    assert text.result_to_csv([0.5, float("-inf")], "microbatch-mean") == "parameter,mean\n0,0.5\n1,-inf\n"
-
-
-def test_output_that_python_cannot_write() -> None:
-    with pytest.raises(OutputError, match="shard 'x' is an integer of about 4301 digits"):
-        text.dumps_result([["x", 10**4300]])
-    with pytest.raises(OutputError, match="out.csv: cannot write CSV: line 1 holds the lone surrogate U[+]DC00"):
-        text.encode_csv("\udc00", "out.csv")

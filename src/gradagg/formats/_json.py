@@ -1,4 +1,8 @@
-"""JSON and JSON Lines by the rules of :mod:`gradagg.formats.text`: no float overflow, no repeated key."""
+"""JSON and JSON Lines by the rules of :mod:`gradagg.formats.text`: no float overflow, no repeated key.
+
+The readers of both contracts' JSON and JSON Lines inputs are here, so that a JSON input is read in this module
+from its text to its rows.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,33 @@ from collections.abc import Iterator
 from typing import Any
 
 from gradagg.errors import FormatError, short_repr
-from gradagg.formats._csv import too_many_digits
 
 _JSON_SPACE = " \t\r"
+OWNER_FIELDS = ("shard_id", "worker_id", "owner_id", "gradient")
+
+
+def owner_rows(text: str, fmt: str, source: str) -> list[Any]:
+    """Owner-sum rows of a ``json`` or ``jsonl`` input (see :func:`gradagg.formats.text.read_owner_rows`)."""
+    if fmt == "jsonl":
+        return [_owner_row_from_json(value, line, source) for line, value in json_lines(text, source)]
+    rows = load_json(text, source)
+    if not isinstance(rows, list):
+        raise FormatError(f"{source}: expected a JSON array of rows, got {type(rows).__name__}")
+    return rows
+
+
+def microbatches(text: str, fmt: str, source: str) -> tuple[list[Any], Any]:
+    """``(rows, active_counts)`` of a ``json`` or ``jsonl`` input (see ``text.read_microbatches``)."""
+    if fmt == "jsonl":
+        return [value for _, value in json_lines(text, source)], None
+    return _microbatches_from_json(load_json(text, source), source)
+
+
+def too_many_digits(digits: str) -> str:
+    """The message for an integer longer than Python converts from text."""
+    return (f"an integer of {len(digits.lstrip('+-'))} digits, over Python's limit of "
+            f"{sys.get_int_max_str_digits()} digits for reading one as text")
+
 
 
 class _NumberTooLarge(Exception):
@@ -109,3 +137,30 @@ def json_lines(text: str, source: str) -> Iterator[tuple[int, Any]]:
             raise FormatError(f"{source}: line {number}: blank line; JSON Lines holds one JSON value a line "
                               "(a microbatch whose parameters are all absent is [null, ...])")
         yield number, load_json(line, source, number)
+
+
+def _owner_row_from_json(value: Any, line: int, source: str) -> Any:
+    if not isinstance(value, dict):
+        return value  # an array row, or garbage that the reference names by row
+    if set(value) != set(OWNER_FIELDS):
+        missing = sorted(set(OWNER_FIELDS) - set(value))
+        extra = sorted(set(value) - set(OWNER_FIELDS))
+        raise FormatError(
+            f"{source}: line {line}: object keys must be {', '.join(OWNER_FIELDS)}; "
+            f"missing {missing}, unexpected {short_repr(extra)}"
+        )
+    return [value[k] for k in OWNER_FIELDS]
+
+
+def _microbatches_from_json(data: Any, source: str) -> tuple[list[Any], Any]:
+    if isinstance(data, list):
+        return data, None
+    if not isinstance(data, dict) or "rows" not in data:
+        raise FormatError(f'{source}: expected {{"rows": [...], "active_counts": [...]}} or an array of rows')
+    extra = sorted(set(data) - {"rows", "active_counts"})
+    if extra:
+        raise FormatError(f"{source}: unexpected keys {short_repr(extra)}; allowed are rows, active_counts")
+    rows = data["rows"]
+    if not isinstance(rows, list):
+        raise FormatError(f'{source}: "rows" must be an array, got {type(rows).__name__}')
+    return rows, data.get("active_counts")

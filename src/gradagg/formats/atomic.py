@@ -37,19 +37,24 @@ def write_atomic(path: str, data: bytes) -> None:
         data: the whole content.
 
     Raises:
-        OutputError: ``path`` is a directory or another kind of file that cannot be written.
-        OSError: the folder is missing or not writable, the disk is full (nothing is left behind).
+        OutputError: ``path`` is a directory or another kind of file that cannot be written, its folder
+            is missing or not writable, the disk is full: named after ``path`` (nothing is left behind).
 
     >>> import os, tempfile
     >>> out = os.path.join(tempfile.mkdtemp(), "result.json")
     >>> write_atomic(out, b"[]\\n"); open(out).read()
     '[]\\n'
     """
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            os.fsync(f.fileno())  # the rename must not reach the disk before the data
+    try:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                os.fsync(f.fileno())  # the rename must not reach the disk before the data
+    except BrokenPipeError:
+        raise  # a FIFO whose reader left: as a closed standard output, not an error of the result
+    except OSError as exc:  # the temporary file's name, or none (a full device), would not tell the user which
+        raise OutputError(f"{path}: cannot write the result: {exc.strerror or exc}") from None
 
 
 @contextlib.contextmanager

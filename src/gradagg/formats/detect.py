@@ -1,24 +1,47 @@
-"""Which format an input is in, and its bytes as text: before any reader runs.
+"""Which format an input or output is in, and an input's bytes: before any reader or writer runs.
 
-Files are recognised by ``--format`` or their extension (:func:`format_of`);
-standard input by ``--format`` or its content (:func:`sniff`), which picks the
-only reading that could be valid and never guesses between two.
+The one table of formats is :data:`INPUT_FORMATS` and :data:`OUTPUT_FORMATS`
+(by extension). Files are recognised by ``--format`` or their extension
+(:func:`format_of`); standard input, and a FIFO or device whose name has no
+known extension (``<(cat x.parquet)`` is ``/dev/fd/63``), by ``--format`` or its content
+(:func:`sniff`), which picks the only reading that could be valid and never
+guesses between two. An output is written in the format its extension names,
+JSON when it names none.
+
+A regular Parquet file is left to its reader, which streams it. Every other
+input is read here, once, into memory: text (its readers take it whole), and
+standard input, a FIFO, ``<(cat x.parquet)`` or a device in any format, since
+such an input cannot be reopened or read from its end. What is read is
+bounded by :func:`memory_allowed`, and an input larger than that is an error
+naming it, before its bytes are read where its size is known.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import json
 import os
 import re
+import stat
+from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
-from gradagg.errors import FormatError
+from gradagg.errors import FormatError, GradaggError
+from gradagg.formats._csv import is_number
+from gradagg.formats._json import OWNER_FIELDS
 
 _SPACES = re.compile(rb"[ \t\r\n]*")
 _PARQUET_MAGIC = b"PAR1"
-_EXTENSIONS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+INPUT_FORMATS = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+"""The input formats by extension (lower case); a file of any other extension needs ``--format``."""
+OUTPUT_FORMATS = INPUT_FORMATS
+"""The output formats by extension: a result is written in the format it would be read in; JSON otherwise
+(:func:`gradagg.formats.results.output_format`)."""
+_COMMANDS = {"owner-sum": "owner-sum", "microbatch-mean": "mean"}  # each contract's command
+_CHUNK = 1 << 20  # bytes per read of an input whose size is not known
+_JSON = ("json", "jsonl")
 
 
 class Input(NamedTuple):
@@ -26,17 +49,13 @@ class Input(NamedTuple):
 
     fmt: str
     name: str  # the path, or <stdin>
-    data: bytes | None  # the whole text input, undecoded (see decode); None for Parquet
-    parquet: str | BinaryIO | None  # a Parquet file's path, or standard input's bytes as a file
+    text: str  # the whole text input, decoded (see decode); "" for Parquet
+    parquet: str | BinaryIO | None  # a regular Parquet file's path, or the bytes of another Parquet input as a file
     sniffed: bool  # the format was recognised by content, not named
-
-    def text(self) -> str:
-        """The text of a text input (see :func:`decode`)."""
-        return decode(self.data or b"", self.name)
 
 
 def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO | None) -> Input:
-    """Find the format of ``path`` (``-``: ``stdin``) and read a text input whole; a Parquet file is left to stream.
+    """Find the format of ``path`` (``-``: ``stdin``) and read it, unless it is a regular Parquet file.
 
     Args:
         path: the input file, or ``-`` for standard input.
@@ -48,25 +67,106 @@ def read_input(path: str, explicit: str | None, contract: str, stdin: BinaryIO |
         The :class:`Input`.
 
     Raises:
-        FormatError: a file of unknown extension and no ``--format``; ``-`` with standard input closed.
-        OSError: the file is missing, a directory, unreadable.
+        FormatError: a directory; a file of unknown extension and no ``--format``; ``-`` with standard
+            input closed; an input larger than :func:`memory_allowed` allows to read; text that is
+            empty or not UTF-8 (see :func:`decode`).
+        OSError: the file is missing or unreadable.
 
     >>> read_input("-", None, "owner-sum", io.BytesIO(b"[]")).fmt
     'json'
     """
-    if path != "-":
-        fmt = format_of(path, explicit)
-        if fmt == "parquet":
-            return Input(fmt, path, None, path, False)
+    if path == "-":
+        if stdin is None:
+            raise FormatError("<stdin>: standard input is closed; give a FILE, or open standard input")
+        return _in_memory(read_bounded(stdin, "<stdin>", json_text=explicit in _JSON), "<stdin>", explicit, contract)
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise FormatError(f"{path}: is a directory; FILE must be a file, or - for standard input")
+    if not stat.S_ISREG(mode):  # a FIFO, a device, <(...): one pass, into memory, recognised as stdin is
+        named = explicit or INPUT_FORMATS.get(os.path.splitext(path)[1].lower())
         with open(path, "rb") as f:
-            return Input(fmt, path, f.read(), None, False)
-    if stdin is None:
-        raise FormatError("<stdin>: standard input is closed; give a FILE, or open standard input")
-    data = stdin.read()
-    fmt = explicit or sniff(data, contract)
+            return _in_memory(read_bounded(f, path, json_text=named in _JSON), path, named, contract)
+    fmt = format_of(path, explicit)
+    if fmt == "parquet":
+        return Input(fmt, path, "", path, False)
+    with open(path, "rb") as f:
+        return Input(fmt, path, decode(read_bounded(f, path, os.fstat(f.fileno()).st_size), path), None, False)
+
+
+def _in_memory(data: bytes, name: str, named: str | None, contract: str) -> Input:
+    fmt = named or sniff(data, contract)
     if fmt == "parquet":  # its footer is at its end: it is read from memory
-        return Input(fmt, "<stdin>", None, io.BytesIO(data), explicit is None)
-    return Input(fmt, "<stdin>", data, None, explicit is None)
+        return Input(fmt, name, "", io.BytesIO(data), named is None)
+    return Input(fmt, name, decode(data, name), None, named is None)
+
+
+def read_bounded(f: BinaryIO, name: str, size: int | None = None, *, json_text: bool = False) -> bytes:
+    """All of ``f``, or an error naming ``name`` once it is more than :func:`memory_allowed` allows.
+
+    Args:
+        f: the open input.
+        name: its name for messages.
+        size: its size when known (a regular file): checked before anything is read.
+        json_text: the input is JSON or JSON Lines, where a NUL byte is never valid (not a space, and
+            a control character inside a string): reading stops at the first one, so ``/dev/zero``
+            ends at once, and the reader reports the first error, which is there or before it.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        FormatError: the input is larger than the bound.
+
+    >>> read_bounded(io.BytesIO(b"[1]"), "x.json")
+    b'[1]'
+    """
+    bound = memory_allowed() // 2
+    if size is not None and size > bound:
+        raise _too_large(name, f"is {size:,} bytes", bound)
+    chunks, total = [], 0
+    while chunk := f.read((size or 0) + _CHUNK):  # a known size: all of it in the first read
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > bound:
+            raise _too_large(name, f"holds more than {bound:,} bytes (read so far)", bound)
+        if json_text and b"\0" in chunk:  # the input is invalid: up to the NUL holds its first error
+            chunks[-1] = chunk[:chunk.index(b"\0") + 1]
+            break
+    return b"".join(chunks)
+
+
+def _too_large(name: str, what: str, bound: int) -> FormatError:
+    return FormatError(f"{name}: {what}; an input read into memory may take at most half the memory allowed "
+                       f"({bound:,} bytes; see ulimit -v): give a regular Parquet file, which is read in batches")
+
+
+def memory_allowed() -> int:
+    """The bytes this process may hold: the least of its address-space and data limits (``ulimit -v``,
+    ``ulimit -d``), the machine's memory, and what of it is available now (Linux: beyond that, it swaps).
+
+    >>> memory_allowed() > 0
+    True
+    """
+    limits = [_available_memory()]
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # no sysconf (Windows), or no such name
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    with contextlib.suppress(ImportError):
+        import resource
+
+        for name in ("RLIMIT_AS", "RLIMIT_DATA"):
+            soft = resource.getrlimit(getattr(resource, name))[0] if hasattr(resource, name) else -1
+            if soft not in (-1, resource.RLIM_INFINITY):
+                limits.append(soft)
+    return min(limits)
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes; unbounded where there is no such file."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", "rb") as f:
+        for line in f:
+            if line.startswith(b"MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 2**63 - 1
 
 
 def format_of(path: str, explicit: str | None) -> str:
@@ -88,10 +188,12 @@ def format_of(path: str, explicit: str | None) -> str:
     if explicit is not None:
         return explicit
     ext = os.path.splitext(path)[1].lower()
-    if ext not in _EXTENSIONS:
+    if ext not in INPUT_FORMATS:
         raise FormatError(f"{path}: cannot tell the format from extension {ext!r}; pass --format "
                           "json, jsonl, csv or parquet")
-    return _EXTENSIONS[ext]
+    return INPUT_FORMATS[ext]
+
+
 
 
 def sniff(data: bytes, contract: str) -> str:
@@ -155,8 +257,6 @@ def _first_lines(data: bytes, start: int, count: int) -> list[bytes]:
     return lines
 
 
-
-
 def decode(data: bytes, source: str) -> str:
     """The UTF-8 text of ``data`` (a leading byte-order mark dropped).
 
@@ -186,3 +286,101 @@ def decode(data: bytes, source: str) -> str:
         raise FormatError(f"{source}: the input is empty (0 bytes); an input with no rows is [] in JSON "
                           "or a header line in CSV")
     return text
+
+
+@contextlib.contextmanager
+def named_errors(source: Input, contract: str) -> Iterator[None]:
+    """Errors in reading ``source`` or applying ``contract`` to it, named after it, with what may explain them.
+
+    The contract's errors (``row 3: ...``) get the input's name in front (the readers' have it); an input
+    recognised by its content says which ``--format`` reads it otherwise; an input that looks like the other
+    contract's (:func:`contract_of`) says which command reads it.
+
+    >>> try:
+    ...     with named_errors(Input("json", "m.json", '{"rows": [[1]]}', None, False), "owner-sum"):
+    ...         raise FormatError("expected a JSON array of rows, got dict")
+    ... except FormatError as exc:
+    ...     print(exc)
+    m.json: expected a JSON array of rows, got dict (m.json looks like an input of `gradagg mean`, which reads it)
+    """
+    try:
+        yield
+    except GradaggError as exc:
+        message = str(exc) if str(exc).startswith(f"{source.name}: ") else f"{source.name}: {exc}"
+        if source.sniffed and isinstance(exc, FormatError):
+            stream = "standard input" if source.name == "<stdin>" else source.name
+            others = " or ".join(f for f in ("json", "jsonl", "csv") if f != source.fmt)
+            message += (f" ({stream} was read as {source.fmt}, recognised by its content; "
+                        f"pass --format {others} to read it otherwise)")
+        other = contract_of(source)
+        if other is not None and other != contract:
+            message += f" ({source.name} looks like an input of `gradagg {_COMMANDS[other]}`, which reads it)"
+        exc.args = (message,)
+        raise
+
+
+def contract_of(source: Input) -> str | None:
+    """Which contract's input ``source`` looks like, from its shape alone: ``owner-sum``, ``microbatch-mean``
+    or None (either, or neither). Only a hint for a message: the readers and the contract decide.
+
+    Owner-sum rows are 4 values whose last is a number or a list of numbers (or JSON objects of its four
+    keys, or a CSV under its header); mean rows are lists of numbers and nulls of one length (or a JSON
+    object with ``rows``); in Parquet the owner-sum columns are named, the mean's are all numeric.
+
+    >>> contract_of(Input("json", "m.json", '{"rows": [[1, null]]}', None, False))
+    'microbatch-mean'
+    >>> contract_of(Input("csv", "r.csv", "shard_id,worker_id,owner_id,gradient\\nx,a,a,1\\n", None, False))
+    'owner-sum'
+    """
+    try:
+        if source.fmt == "parquet":
+            return _parquet_contract(source.parquet)
+        if source.fmt == "csv":
+            return _csv_contract(source.text)
+        if source.fmt == "jsonl":
+            return _rows_contract([json.loads(line) for line in source.text.splitlines() if line.strip()])
+        value = json.loads(source.text)
+    except Exception:  # noqa: BLE001  (a hint only: what cannot be read, pyarrow's errors included, gives none)
+        return None
+    if isinstance(value, dict):
+        return "microbatch-mean" if "rows" in value else None
+    return _rows_contract(value) if isinstance(value, list) else None
+
+
+def _rows_contract(rows: list[object]) -> str | None:
+    def number(x: object) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    def owner_row(r: object) -> bool:
+        if isinstance(r, dict):
+            return set(r) == set(OWNER_FIELDS)
+        return (isinstance(r, list) and len(r) == 4 and all(isinstance(x, int | str) for x in r[:3])
+                and (number(r[3]) or isinstance(r[3], list) and all(map(number, r[3]))))
+
+    def mean_row(r: object) -> bool:
+        return isinstance(r, list) and all(x is None or number(x) for x in r)
+
+    owner = all(map(owner_row, rows))
+    mean = all(map(mean_row, rows)) and len({len(r) for r in rows if isinstance(r, list)}) == 1
+    return None if not rows or owner == mean else "owner-sum" if owner else "microbatch-mean"
+
+
+def _csv_contract(text: str) -> str | None:
+    lines = [line.split(",") for line in text.splitlines()[:50]]
+    if lines and [c.strip() for c in lines[0]] == list(OWNER_FIELDS):
+        return "owner-sum"
+    cells = [c.strip() for line in lines[1:] for c in line]
+    return "microbatch-mean" if all(c == "" or is_number(c) for c in cells) else None
+
+
+def _parquet_contract(parquet: object) -> str | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if hasattr(parquet, "seek"):
+        parquet.seek(0)
+    schema = pq.read_schema(parquet)
+    if set(OWNER_FIELDS) <= set(schema.names):
+        return "owner-sum"
+    numeric = all(pa.types.is_integer(f.type) or pa.types.is_floating(f.type) for f in schema)
+    return "microbatch-mean" if numeric and schema.names else None

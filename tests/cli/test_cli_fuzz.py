@@ -6,20 +6,28 @@ Two kinds, both seeded (hypothesis ``derandomize``: the same examples on every r
   line breaks in ids), written in a format: the command must print the reference's answer on those rows
   (as the format represents them), or exit 2 with one line exactly when the reference refuses them;
 * those files mutated byte by byte (cut, inserted, replaced): the command must exit 0 with JSON on stdout, or
-  exit 2 with one line, never a traceback, and a failed run leaves ``-o``'s old file and no temporary file.
+  exit 2 with one line, never a traceback, and a failed run leaves ``-o``'s old file and no temporary file;
+* the I/O classes, in real processes: those inputs through a FIFO and under a memory limit
+  (``resource.setrlimit``) answer as the file does; inputs beyond the memory allowed and full output
+  devices are one line naming the file or stream.
 
 Runs are in-process (the ``cli`` fixture) for speed; a few real processes check the same at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
 import re
+import resource
+import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -270,3 +278,88 @@ def test_real_processes_print_one_line(cli_process: Cli, contract: str, data: by
 def test_nan_output_is_python_json(cli: Cli) -> None:
     """The mean of [NaN] prints NaN (Python's json), which is what the fuzz tests parse."""
     assert math.isnan(json.loads(cli("mean", "-", stdin=b"[[NaN]]").ok())[0])
+
+
+# --- I/O classes (issue 16): non-regular inputs, memory limits, full devices; real processes -------------------
+
+FUZZ_PROCESSES = settings(FUZZ, max_examples=3)  # each example is a few real processes: a few examples per seed
+
+
+def run_real(args: list[str], *, limit_bytes: int | None = None, fifo_data: bytes | None = None,
+             stdout: Any = subprocess.PIPE) -> Any:
+    """``python -m gradagg ARGS`` as a process; ``fifo_data`` is written into ``args[1]`` (a FIFO) by a thread."""
+    from tests.conftest import Run
+
+    def limit() -> None:
+        if limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    proc = subprocess.Popen([sys.executable, "-m", "gradagg", *args], stdout=stdout, stderr=subprocess.PIPE,
+                            preexec_fn=limit)
+    if fifo_data is not None:
+        def feed() -> None:
+            with contextlib.suppress(BrokenPipeError), open(args[1], "wb") as f:
+                f.write(fifo_data)
+
+        threading.Thread(target=feed, daemon=True).start()
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # (only if it hung: the test fails on the timeout, and nothing is left running)
+    return Run(proc.returncode, (out or b"").decode(), (err or b"").decode())
+
+
+@pytest.mark.parametrize(("contract", "name"), list(SEEDS), ids=[n for _, n in SEEDS])
+def test_non_regular_inputs_and_memory_limits_answer_as_a_file_does(cli: Cli, contract: str, name: str) -> None:
+    """Mutated inputs through a FIFO, and from a file under a 512 MiB address space: the same status and output
+    as the file in this process (a FIFO is read once, into memory; a small input fits any sane limit)."""
+
+    @FUZZ_PROCESSES
+    @given(mutated(SEEDS[(contract, name)].encode()))
+    def each(content: bytes) -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            path, fifo = Path(folder) / name, Path(folder) / f"fifo.{name}"
+            path.write_bytes(content)
+            os.mkfifo(fifo)
+            expected = cli(contract, str(path))
+            assert run_real([contract, str(fifo)], fifo_data=content)[:2] == expected[:2]
+            limited = run_real([contract, str(path)], limit_bytes=512 << 20)
+            assert limited[:2] == expected[:2] and (limited.status == 0 or limited.err.count("\n") == 1)
+
+    each()
+
+
+@pytest.mark.parametrize(("contract", "name"), list(SEEDS), ids=[n for _, n in SEEDS])
+def test_inputs_beyond_the_memory_allowed_are_one_line(contract: str, name: str, tmp_path: Path) -> None:
+    """A sparse file of 1 GiB under a 512 MiB address space, and a device that never ends: one line naming it
+    (read up to the bound as CSV, up to its first NUL as JSON, where a NUL is never valid)."""
+    big = tmp_path / name
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)
+    run_real([contract, str(big)], limit_bytes=512 << 20).error(f"{big}: is 1,073,741,824 bytes")
+    fmt = name.rsplit(".", 1)[1]
+    expected = "/dev/zero: holds more than" if fmt == "csv" else "/dev/zero: line 1 column 1: invalid JSON"
+    run_real([contract, "/dev/zero", "--format", fmt], limit_bytes=512 << 20).error(expected)
+
+
+VALID = {"rows.json": '[["x", "a", "a", 1], ["y", 0, 0, 2.5]]', "m.csv": "a,b\n2,\n,6\n4,-1e-3\n"}
+_PARQUET_REMOVES_LINK = pytest.mark.xfail(
+    strict=True, reason="pyarrow's write_table removes the path it failed to write (here the link to /dev/full): "
+                        "gradagg.formats.parquet._write should hand it an open file instead of the path")
+
+
+@pytest.mark.parametrize("ext", ["json", "jsonl", "csv", pytest.param("parquet", marks=_PARQUET_REMOVES_LINK), "txt"])
+@pytest.mark.parametrize(("contract", "name"), [("owner-sum", "rows.json"), ("mean", "m.csv")])
+def test_full_devices_are_named(contract: str, name: str, ext: str, tmp_path: Path) -> None:
+    """Every output format onto /dev/full (through a link named for it), and stdout on /dev/full: one line
+    naming the output; no temporary file is left and the link stays (the device is written in place)."""
+    if ext == "parquet":
+        pytest.importorskip("pyarrow")
+    path, link = tmp_path / name, tmp_path / f"full.{ext}"
+    path.write_text(VALID[name])
+    link.symlink_to("/dev/full")
+    run_real([contract, str(path), "-o", str(link)]).error(f"{link}: cannot write the result: ")
+    with open("/dev/full", "wb") as full:
+        run = run_real([contract, str(path)], stdout=full)
+    assert run.status == 2 and run.err.startswith("gradagg: error: standard output: cannot write the result: "), run
+    assert sorted(os.listdir(tmp_path)) == sorted([name, link.name])

@@ -386,15 +386,26 @@ def test_files_that_cannot_be_read(cli_process: Cli, tmp_path: Path) -> None:
     """Through a real process: exactly one line on stderr and exit 2 for a missing file, a directory, an empty file."""
     cli_process("owner-sum", "/nonexistent/rows.json").error("/nonexistent/rows.json: No such file or directory")
     (tmp_path / "d.json").mkdir()
-    cli_process("owner-sum", str(tmp_path / "d.json")).error("d.json: Is a directory")
+    cli_process("owner-sum", str(tmp_path / "d.json")).error("d.json: is a directory; FILE must be a file")
     cli_process("mean", write(tmp_path, "e.csv", "")).error("e.csv: the input is empty (0 bytes)")
     cli_process("mean", "-", stdin=b"").error("<stdin>: the input is empty (0 bytes)")
 
 
-@pytest.mark.parametrize("args", [[], ["owner-sum"], ["frobnicate"], ["owner-sum", "x.json", "--format", "xml"],
+@pytest.mark.parametrize("args", [["owner-sum"], ["frobnicate"], ["owner-sum", "x.json", "--format", "xml"],
                                   ["verify", "--timeout", "0"]])
 def test_usage_errors_are_one_line(cli_process: Cli, args: list[str]) -> None:
     cli_process(*args).error()
+
+
+def test_no_arguments_lists_the_commands_and_fails(cli_process: Cli) -> None:
+    """`gradagg` alone is a mistake (a script that lost its arguments must fail: exit 2), and the person who typed
+    it wants to know what to type: the list of commands with a line each, on stderr, nothing on stdout."""
+    run = cli_process()
+    assert run.status == 2 and run.out == "" and "Traceback" not in run.err
+    assert run.err.startswith("usage: gradagg ")
+    for command in ("owner-sum", "mean", "verify", "demo", "parity"):
+        assert f"    {command}" in run.err, run.err
+    assert "sum each shard's gradient over its owner's rows only" in " ".join(run.err.split())
 
 
 def test_help_and_version(cli_process: Cli) -> None:

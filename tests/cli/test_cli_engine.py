@@ -26,7 +26,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from gradagg import reference  # noqa: E402  (after the importorskips)
-from gradagg.progress import ProgressLine  # noqa: E402
+from gradagg.cli.progress import ProgressLine  # noqa: E402
 
 FORMATS = ["json", "jsonl", "csv", "parquet"]
 ENGINES = ["auto", "python", "numpy", "torch"]

@@ -1,0 +1,107 @@
+"""The commands: ``owner-sum`` and ``mean`` read, apply the contract, write; ``verify`` runs the checks.
+
+Each reads its input once (:func:`gradagg.formats.detect.read_input`), hands
+the rows or Parquet batches to :mod:`gradagg.engine`, and writes the result
+(:mod:`gradagg.formats.results`). An error in the input names the file
+(:func:`gradagg.formats.detect.named_errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+from gradagg.cli.progress import progress_for
+from gradagg.errors import FormatError, GradaggError, OutputError
+from gradagg.formats import detect, results, text
+from gradagg.formats.atomic import check_target
+from gradagg.options import CONTRACTS
+
+EXIT_OK, EXIT_FAILED = 0, 1
+OWNER_SUM, MEAN = CONTRACTS
+
+
+def owner_sum(args: argparse.Namespace) -> int:
+    """``gradagg owner-sum``: each shard's total over its owner's rows, sorted by shard."""
+    from gradagg import engine
+
+    source = _read(args, OWNER_SUM)
+    with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            batches = _parquet().owner_batches(source.parquet, progress=progress)
+            shards, totals = engine.owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+        else:
+            rows = text.read_owner_rows(source.text, source.fmt, source.name)
+            pairs = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
+            shards, totals = [s for s, _ in pairs], [t for _, t in pairs]
+    results.write_owner_sum(args.output, shards, totals)
+    return EXIT_OK
+
+
+def mean(args: argparse.Namespace) -> int:
+    """``gradagg mean``: each parameter's sum over the M microbatches, divided by M."""
+    from gradagg import engine
+
+    source = _read(args, MEAN)
+    with detect.named_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
+        if source.fmt == "parquet":
+            text.check_header(args.header, source.fmt, source.name)  # (the text readers check it themselves)
+            batches = _parquet().microbatch_batches(source.parquet, progress=progress)
+            means = engine.microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+        else:
+            rows, counts = text.read_microbatches(source.text, source.fmt, source.name, header=args.header)
+            means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
+    results.write_mean(args.output, means)
+    return EXIT_OK
+
+
+def _read(args: argparse.Namespace, contract: str) -> detect.Input:
+    """Check the engine and ``-o`` (before any work), find the input's format and read what is read whole."""
+    _check_engine(args.engine)
+    if args.output is not None:
+        check_target(args.output)
+    elif sys.stdout is None:
+        raise OutputError("standard output is closed; pass -o OUT to write the result to a file")
+    return detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
+
+
+def _check_engine(name: str) -> None:
+    from gradagg.engine import available_engines
+
+    if name != "auto" and name not in available_engines():
+        raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
+                           f"pip install 'gradagg[{name}]' (or use --engine auto or python)")
+
+
+def _parquet() -> Any:
+    """:mod:`gradagg.formats.parquet`, imported only when a Parquet file is read (pyarrow, numpy)."""
+    try:
+        return importlib.import_module("gradagg.formats.parquet")
+    except ImportError as exc:
+        raise FormatError(f"Parquet needs pyarrow and numpy ({exc}); install them with: "
+                          "pip install 'gradagg[parquet]'") from None
+
+
+def verify(args: argparse.Namespace) -> int:
+    """``gradagg verify``: the contract checks, on the built-in implementation or on ``--impl``."""
+    from gradagg.verify import run_checks, run_checks_isolated
+
+    if args.impl is not None and args.contract == "all":
+        raise GradaggError("--impl checks one contract: add --contract owner-sum or --contract microbatch-mean")
+    contracts = CONTRACTS if args.contract == "all" else (args.contract,)
+    observations: list[dict[str, Any]] = []
+    for contract in contracts:
+        if args.impl is None:
+            report = run_checks(contract)
+        else:
+            report, printed = run_checks_isolated(contract, args.impl, timeout=args.timeout)
+            sys.stderr.write(printed if printed.endswith("\n") or not printed else printed + "\n")
+        for obs in report["observations"]:
+            label = obs["check"] if len(contracts) == 1 else f"{contract}: {obs['check']}"
+            observations.append({**obs, "check": label})
+    passed = all(o["passed"] for o in observations)
+    print(json.dumps({"observations": observations, "passed": passed}))
+    return EXIT_OK if passed else EXIT_FAILED
