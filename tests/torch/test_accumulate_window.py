@@ -123,7 +123,7 @@ def test_lookahead_and_many_buckets_match() -> None:
             with acc.microbatch():
                 w.loss_of(model, batch).backward()
         acc.finish()
-    assert len(acc._layout_now().buckets) > 2 and c.total == 0
+    assert len(acc.state.layout().buckets) > 2 and c.total == 0
     assert w.max_error(w.grads_of(model), w.full_batch_grads(batches)) <= TOL
 
 

@@ -15,8 +15,8 @@ plain process with no communication when none is.
 from __future__ import annotations
 
 from gradagg.torch.accumulate import MicrobatchAccumulator
+from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.collectives import CollectiveCount, count_collectives
-from gradagg.torch.ledger import Ledger
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.ownership import Ownership, ShardSpec
 from gradagg.torch.reduce import owner_reduce

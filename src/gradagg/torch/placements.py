@@ -67,6 +67,15 @@ class Piece:
     error: str | None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages and layout checks write it: ``float32``, not ``torch.float32``.
+
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    return str(dtype).removeprefix("torch.")
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor``, without importing that module.
 
@@ -161,7 +170,7 @@ def piece_of(name: str, tensor: torch.Tensor, group: Group = None) -> Piece:
     >>> piece_of("w", torch.zeros(2, 3)).description
     'plain (shape=(2, 3), dtype=float32)'
     """
-    shape, dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+    shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
     if not is_dtensor(tensor):
         plain = f"plain (shape={shape}, dtype={dtype})"
         return Piece(name, plain, name, counts_here(tensor, group), shape, tensor.dtype, (), None)

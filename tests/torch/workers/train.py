@@ -111,7 +111,7 @@ def plain_world() -> dict[str, Any]:
             "error": w.max_error(_grads(model), token_truth(data[: sum(counts)])),
             "ledger": ledger,
             "collectives": dict(c.by_op),
-            "buckets": len(acc._layout_now().buckets),
+            "buckets": len(acc.state.layout().buckets),
         }
     out["terms"] = _terms(rank, data)
     out["mixed"] = _mixed(rank, data)
@@ -239,7 +239,7 @@ def ddp_world() -> dict[str, Any]:
             "error": w.max_error(_grads(ddp.module), token_truth(data[: sum(counts)])),
             "ledger": ledger,
             "collectives": dict(c.by_op),
-            "buckets": len(acc._layout_now().buckets),
+            "buckets": len(acc.state.layout().buckets),
         }
         acc.close()
     return out
@@ -282,7 +282,7 @@ def fsdp_world() -> dict[str, Any]:
                     "ledger": ledger,
                     "collectives": dict(c.by_op),
                     "grad_types": kinds,
-                    "buckets": len(acc._layout_now().buckets),
+                    "buckets": len(acc.state.layout().buckets),
                 }
             )
             model.zero_grad()
