@@ -27,7 +27,7 @@ from gradagg.torch.accumulate.window import (
     weight_values,
 )
 from gradagg.torch.collectives import get_rank, get_world_size
-from gradagg.torch.placements import local_tensor
+from gradagg.torch.placements import dtype_name, local_tensor
 
 
 def finish(state: State) -> Ledger:
@@ -123,9 +123,9 @@ def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
     if divisor == 0:
         why = f"the total weight of the window is 0 over {m} microbatches: there is no mean to take"
     elif not divisor <= finfo.max:
-        why = f"the total weight of the window, {divisor!r}, is beyond what the {dtype} sums can be divided by"
+        why = f"the total weight of the window, {divisor!r}, is beyond what {dtype_name(dtype)} sums can be divided by"
     elif divisor < finfo.tiny:
-        why = f"the total weight of the window, {divisor!r}, is below the smallest normal {dtype} ({finfo.tiny})"
+        why = f"the total weight of the window, {divisor!r}, is below the smallest normal {dtype_name(dtype)}"
     if why is not None:
         discard(state)
         raise WindowError(f"{why} (per rank: {counts.weights})")
