@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from gradagg.errors import PlacementError
-from gradagg.torch.collectives import Group, get_rank, is_distributed
+from gradagg.torch.collectives import Group, get_rank
 
 ShardId = int | str
 _V = TypeVar("_V")
@@ -286,9 +286,10 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
 
 
 def _group_ranks(group: Group) -> list[int]:
-    """The global ranks of ``group`` (``[0]`` with no process group)."""
-    if not is_distributed(group):
-        return [0]
+    """The global ranks of ``group`` (``[0]`` with no process group; a group of one names its own rank)."""
     import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
 
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
