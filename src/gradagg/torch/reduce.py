@@ -127,9 +127,9 @@ def _owned_sums(
 def _use_gather(collective: Collective, layout: _Layout, group: Group) -> bool:
     if collective != "auto":
         return collective == "all_gather"
-    # Bytes decide on NCCL, where both collectives run at link speed. Gloo's all_gather on loopback was
-    # measured 4x slower than its all_reduce of twice the bytes (2 ranks, 19 MB each: 181 ms vs 45 ms),
-    # so on gloo (and any other backend) the all_reduce is the faster choice whatever the bytes say.
+    # Bytes decide on NCCL, where both collectives run at link speed. Gloo's all_gather on loopback is several
+    # times slower than its all_reduce of twice the bytes (bench/bench_training.py, the forced all_gather row of
+    # bench/RESULTS.md), so on gloo (and any other backend) the all_reduce is the faster choice whatever the bytes say.
     import torch.distributed as dist
 
     return dist.get_backend(group) == "nccl" and layout.gather_moves_fewer_bytes()

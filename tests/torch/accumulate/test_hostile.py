@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from tests.torch.workers import hostile
 
 from gradagg.testing import run_local_world
+from tests.torch.workers import hostile
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}
 
