@@ -1,10 +1,10 @@
 """Rank workers for the training tests: weights, loss terms, DDP overlap, FSDP2, HSDP (importable by the ranks).
 
-Every ``*_world`` function runs on each rank of a local gloo world (``gradagg.testing``) and returns
-plain values; the tests in ``tests/torch/accumulate/test_training.py`` assert on them. The data are
-*tokens*: each microbatch holds ``B`` samples of which only some are valid (the others are padding), so
-a token mean differs from a mean of microbatch means. The truth is always one forward/backward of the whole global batch on
-a fresh model in one process (float64).
+Every ``*_world`` function runs on each rank of a local gloo world (``gradagg.testing``) and returns plain
+values; the tests in ``tests/torch/accumulate/test_training.py`` assert on them. The data are *tokens*: each
+microbatch holds ``B`` samples of which only some are valid (the others are padding), so a token mean
+differs from a mean of microbatch means. The truth is always one forward/backward of the whole global batch
+on a fresh model in one process (float64).
 """
 
 from __future__ import annotations
