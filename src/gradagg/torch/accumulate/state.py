@@ -48,6 +48,8 @@ class State:
         closed: the hooks are gone; every call refuses.
         last: the ledger of the last finished window.
         next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
+        sharded: indices of the FSDP2 (DTensor) parameters (set on construction).
+        external: those FSDP2 reduces itself (``fsdp="every_microbatch"``), whose buffer slot stays empty.
     """
 
     params: Params
@@ -75,10 +77,10 @@ class State:
     def tensors(self) -> list[torch.Tensor]:
         return self.params.tensors
 
-    @property
-    def sharded(self) -> set[int]:
-        """Indices of the FSDP2 (DTensor) parameters."""
-        return set(self.params.sharded) if self.fsdp is not None else set()
+    def __post_init__(self) -> None:
+        # read in every hook call: computed once (a DTensor check per parameter otherwise)
+        self.sharded: frozenset[int] = frozenset(self.params.sharded) if self.fsdp is not None else frozenset()
+        self.external: frozenset[int] = self.sharded if self.every_microbatch() else frozenset()
 
     def every_microbatch(self) -> bool:
         """Whether FSDP2 reduces each microbatch itself (``fsdp="every_microbatch"``)."""
@@ -86,7 +88,7 @@ class State:
 
     def takes(self, i: int) -> bool:
         """Whether parameter ``i``'s gradient goes into the accumulator's buffer (not reduced by FSDP itself)."""
-        return not (self.every_microbatch() and i in self.sharded)
+        return i not in self.external
 
     def new_window(self) -> None:
         """Forget the window: counters to zero, buffers dropped (a second finish() cannot divide twice)."""
