@@ -99,15 +99,18 @@ _FLOAT64_MAX = 1.7976931348623157e308
 
 
 def weight_sum(values: list[float]) -> float:
-    """The exact sum of ``values`` rounded once (``math.fsum``); infinite where it leaves float64 (no exception).
+    """The exact sum of ``values`` rounded once (``math.fsum``), never an exception: infinite where it leaves
+    float64, NaN for ``inf + -inf`` (such weights were already named by :func:`weight_problem`).
 
-    >>> weight_sum([1e308, 1e308])
-    inf
+    >>> weight_sum([1e308, 1e308]), weight_sum([math.inf, -math.inf])
+    (inf, nan)
     """
     try:
         return math.fsum(values)
-    except OverflowError:  # fsum raises where the exact sum leaves float64; NaN and Inf inputs return them
+    except OverflowError:  # the exact sum of finite values leaves float64
         return math.inf
+    except ValueError:  # fsum refuses inf + -inf
+        return math.nan
 
 
 @dataclass
