@@ -92,3 +92,21 @@ def test_grad_set_inside_a_microbatch_counts_there(hostile_results: list[dict[st
         assert torch.allclose(fast[0], torch.full((3,), 99 / 5, dtype=torch.float64), rtol=1e-15, atol=0)
         assert torch.allclose(fast[1], torch.full((3,), 6 / 5, dtype=torch.float64), rtol=1e-15, atol=0)
         assert all(torch.equal(f, p) for f, p in zip(fast, pure))
+
+
+def test_an_invalid_count_ahead_raises_on_every_rank(hostile_results: list[dict[str, Any]]) -> None:
+    """divisors(): rank 1 gives -1 tokens: rank 1 names the term, rank 0 names rank 1; neither waits a timeout."""
+    r0, r1 = (r["divisors_invalid_one_rank"] for r in hostile_results)
+    assert r1 is not None and r1[0] == "GradaggError" and "'tokens' has count -1.0" in r1[1], r1
+    assert r0 is not None and r0[0] == "GradaggError" and "rank(s) [1] gave an invalid count" in r0[1], r0
+
+
+def test_bare_tensors_in_any_other_order_are_refused(hostile_results: list[dict[str, Any]]) -> None:
+    """Rank 0's order and eight seeded orders of four bare tensors (three of one shape) on rank 1: a
+    CollectiveError on both ranks exactly when the order differs from rank 0's; rank 0's order passes."""
+    for r in hostile_results:
+        outcomes = r["permutations"]
+        for moved, error in outcomes:
+            assert (error is not None) == moved, (moved, error)
+            assert error is None or error[0] == "CollectiveError", error
+        assert outcomes[0] == (False, None) and sum(moved for moved, _ in outcomes) >= 6

@@ -107,6 +107,21 @@ def hand_set_inside(acc_kind: str) -> list[torch.Tensor | None]:
     return [a.grad, c.grad]
 
 
+def divisors_on_rank(mine: dict[str, object], other: dict[str, object]) -> Any:
+    """Rank 0 counts its loss terms ``mine`` ahead, rank 1 ``other``."""
+    acc = MicrobatchAccumulator([("p", seeded(9))])
+    return error_of(lambda: acc.divisors(mine if dist.get_rank() == 0 else other))
+
+
+def permuted(seed: int | None) -> tuple[bool, Any]:
+    """Four bare tensors (three of one shape), rank 1 giving them in a seeded order (None: rank 0's): refused iff
+    it is not rank 0's order."""
+    tensors = [seeded(20 + k, n=3) for k in range(3)] + [seeded(30).reshape(3, 1).detach().requires_grad_()]
+    order = [0, 1, 2, 3] if seed is None else torch.randperm(4, generator=torch.Generator().manual_seed(seed)).tolist()
+    params = tensors if dist.get_rank() == 0 else [tensors[k] for k in order]
+    return order != [0, 1, 2, 3], error_of(lambda: one_window(MicrobatchAccumulator(params), params, [None]))
+
+
 def hostile_world() -> dict[str, Any]:
     out: dict[str, Any] = {
         "reordered": reordered(),
@@ -122,5 +137,7 @@ def hostile_world() -> dict[str, Any]:
         "set_between": set_between(1),
         "inside_fast": hand_set_inside("fast"),
         "inside_pure": hand_set_inside("pure"),
+        "divisors_invalid_one_rank": divisors_on_rank({"tokens": 4}, {"tokens": -1}),
+        "permutations": [permuted(None)] + [permuted(seed) for seed in range(8)],
     }
     return out

@@ -34,31 +34,46 @@ def local_terms(local: Mapping[str, object]) -> list[tuple[str, float]]:
 def count_terms(local: Mapping[str, object], group: Group) -> dict[str, float]:
     """Sum each term's count over the ranks in one float64 all_reduce (exact for whole counts below 2**53).
 
+    An invalid count on one rank travels as a flag in that same all_reduce, so every rank raises at once
+    (none is left waiting for a collective the faulty rank never joins).
+
     Raises:
         CollectiveError: the ranks named different terms (every rank raises).
-        GradaggError: a term totals 0 over all ranks, or beyond float64 (every rank raises).
+        GradaggError: a count that is not a finite non-negative number on any rank; a term totalling 0 over
+            all ranks, or beyond float64 (every rank raises).
     """
-    items = local_terms(local)
-    world, rank = get_world_size(group), get_rank(group)
-    names = [n for n, _ in items]
-    vec = torch.zeros(len(items) + world, dtype=torch.float64)
-    vec[: len(items)] = torch.tensor([c for _, c in items], dtype=torch.float64)
-    vec[len(items) + rank] = float(int(hashlib.sha256(repr(names).encode()).hexdigest()[:12], 16))  # < 2**48
+    try:
+        items, error = local_terms(local), None
+    except GradaggError as exc:
+        items, error = [(str(n), 0.0) for n in local], exc
+    world, rank, n = get_world_size(group), get_rank(group), len(items)
+    names = [name for name, _ in items]
+    vec = torch.zeros(n + 2 * world, dtype=torch.float64)
+    vec[:n] = torch.tensor([c for _, c in items], dtype=torch.float64)
+    vec[n + rank] = float(int(hashlib.sha256(repr(names).encode()).hexdigest()[:12], 16))  # < 2**48: exact
+    vec[n + world + rank] = 0.0 if error is None else 1.0
     got = all_reduce_sum(vec.to(device_for(group)), group).tolist()
-    hashes = got[len(items) :]
+    hashes, flags = got[n : n + world], got[n + world :]
     differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
     if differ:
         raise CollectiveError(
             f"rank {rank}: divisors() got other term names on rank(s) {differ} than on rank 0 (here: {names}); "
             "every rank must name the same terms"
         )
-    totals = dict(zip(names, got[: len(items)]))
+    if error is not None:
+        raise error
+    bad = [r for r, f in enumerate(flags) if f != 0]
+    if bad:
+        raise GradaggError(f"rank {rank}: divisors() refused on every rank: rank(s) {bad} gave an invalid count")
+    return _checked_totals(dict(zip(names, got[:n])), world)
+
+
+def _checked_totals(totals: dict[str, float], world: int) -> dict[str, float]:
     for name, total in totals.items():
         if total == 0:
             raise GradaggError(f"divisors(): term {name!r} totals 0 over all {world} ranks: nothing to divide it by")
         if not math.isfinite(total):
             raise GradaggError(f"divisors(): term {name!r} totals {total} over all {world} ranks: beyond float64")
     return totals
-
 
 __all__ = ["count_terms", "local_terms"]
