@@ -83,6 +83,11 @@ def test_grad_set_between_microbatches_refused_on_every_rank(hostile_results: li
     _both(hostile_results, "set_between", "WindowError", "rank 1 had a .grad set by hand")
 
 
+def test_grad_set_on_an_fsdp2_shard_refused_on_every_rank(hostile_results: list[dict[str, Any]]) -> None:
+    """A .grad set on a sharded DTensor inside a window cannot join the unsharded sum: both ranks refuse."""
+    _both(hostile_results, "set_on_shard", "WindowError", "rank 1 had a .grad set by hand")
+
+
 def test_grad_set_inside_a_microbatch_counts_there(hostile_results: list[dict[str, Any]]) -> None:
     """Set before the backward (autograd adds to it) and on a parameter no backward reaches: the fast accumulator
     equals its twin. a: microbatch k adds 10 (k + 1) + (k + 1); ranks run 2 and 3: sum 11 * (1 + 2 + 1 + 2 + 3)

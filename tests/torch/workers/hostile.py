@@ -122,6 +122,26 @@ def permuted(seed: int | None) -> tuple[bool, Any]:
     return order != [0, 1, 2, 3], error_of(lambda: one_window(MicrobatchAccumulator(params), params, [None]))
 
 
+def set_on_shard() -> Any:
+    """FSDP2 window form: inside a microbatch, rank 1 sets .grad on a sharded parameter (what an optimizer holds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 2, bias=False), mesh=init_device_mesh("cpu", (2,)))
+    shards = list(model.parameters())  # the DTensors, before any window unshards them
+    acc = MicrobatchAccumulator(model)
+
+    def window() -> None:
+        with acc.microbatch():
+            model(torch.ones(1, 4)).sum().backward()
+            if dist.get_rank() == 1:
+                shards[0].grad = torch.zeros_like(shards[0])
+        acc.finish()
+
+    return error_of(window)
+
+
 def hostile_world() -> dict[str, Any]:
     out: dict[str, Any] = {
         "reordered": reordered(),
@@ -138,6 +158,7 @@ def hostile_world() -> dict[str, Any]:
         "inside_fast": hand_set_inside("fast"),
         "inside_pure": hand_set_inside("pure"),
         "divisors_invalid_one_rank": divisors_on_rank({"tokens": 4}, {"tokens": -1}),
+        "set_on_shard": set_on_shard(),
         "permutations": [permuted(None)] + [permuted(seed) for seed in range(8)],
     }
     return out
