@@ -13,17 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradagg.errors import GradaggError
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.pure import PureAccumulator
-
-
-def error_of(fn: Any) -> tuple[str, str] | None:
-    try:
-        fn()
-    except GradaggError as exc:
-        return type(exc).__name__, str(exc)
-    return None
+from tests.torch.workers.dist import error_of
 
 
 def seeded(seed: int, n: int = 3, dtype: torch.dtype = torch.float64) -> torch.Tensor:

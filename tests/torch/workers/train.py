@@ -138,7 +138,7 @@ def _mixed(rank: int, data: list[TokenBatch]) -> Any:
     acc = MicrobatchAccumulator(model)
     with acc.microbatch(weight=3 if rank == 0 else None):
         token_loss_sum(model, data[rank]).backward()
-    return w._error_of(acc.finish)
+    return w.error_of(acc.finish)
 
 
 def _unfrozen(rank: int) -> Any:
@@ -150,7 +150,7 @@ def _unfrozen(rank: int) -> Any:
         model.unused.requires_grad_(True)
     with acc.microbatch():
         w.loss_of(model, w.microbatches(1)[0]).backward()
-    return w._error_of(acc.finish)
+    return w.error_of(acc.finish)
 
 
 def zero_grad_world(form: str) -> dict[str, Any]:
