@@ -96,6 +96,10 @@ class MicrobatchAccumulator:
         raises on every rank until :meth:`discard`); one that raises before touching any gradient (e.g.
         in the forward) is not counted.
 
+        A ``.grad`` set by hand inside the ``with`` counts in this microbatch, as a backward's gradient would
+        (added to it, if a backward reached the parameter too); one set between microbatches, after the last one,
+        or on an FSDP2 shard counts in none: :meth:`finish` refuses on every rank.
+
         Args:
             weight: what this microbatch counts for in the divisor (e.g. its number of valid tokens): a
                 non-negative number or 0-dim tensor. Weight every microbatch of the window or none; without
@@ -105,10 +109,6 @@ class MicrobatchAccumulator:
 
         Returns:
             A context manager.
-
-        A ``.grad`` set by hand inside the ``with`` counts in this microbatch, as a backward's gradient would
-        (added to it, if a backward reached the parameter too); one set between microbatches, after the last one,
-        or on an FSDP2 shard counts in none: :meth:`finish` refuses on every rank.
 
         Raises:
             WindowError: nested microbatches; a gradient present before the window opened.
