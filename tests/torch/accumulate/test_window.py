@@ -311,3 +311,23 @@ def test_hand_set_after_its_bucket_left_is_refused() -> None:
             model[1].weight.grad = torch.ones_like(model[1].weight)  # its bucket left first
     with pytest.raises(WindowError, match="after its bucket was sent"):
         acc.finish()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64]),
+    seed=st.integers(0, 2**16),
+)
+def test_fingerprint_reads_values_not_layout(shape: list[int], dtype: torch.dtype, seed: int) -> None:
+    """The digest that tells bare tensors apart across ranks: equal for equal values whatever the strides (a
+    transposed copy, a clone), different when one element changes (its lowest bit flipped)."""
+    from gradagg.torch.accumulate.opening import fingerprint
+
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.rand(shape, generator=g) * 100).to(dtype)
+    strided = t.transpose(0, -1).contiguous().transpose(0, -1)  # the same values, other strides
+    assert fingerprint(t) == fingerprint(t.clone()) == fingerprint(strided)
+    flipped = t.clone().reshape(-1)
+    flipped.view(torch.uint8)[0] ^= 1
+    assert fingerprint(flipped.reshape(t.shape)) != fingerprint(t)
