@@ -1,9 +1,10 @@
 """The fast accumulator against its slow, obviously right twin (:mod:`gradagg.torch.pure`), on 2 gloo ranks.
 
-Plain, DDP and FSDP2 models; counts (0, 4), (3, 5) and (1, 0); D = M or the token total. Both sum the same
-per-microbatch float64 gradients over the same ranks, in another order (buckets and flat buffer against one
-all_reduce per parameter): each of the <= 8 additions rounds by at most 2**-53 relative, |gradients| < 10,
-so TOL = 1e-12 is far above what order can change and far below any counting mistake (>= 1e-2 here).
+Plain, DDP (also with gradient_as_bucket_view and find_unused_parameters) and FSDP2 models; counts (0, 4),
+(3, 5) and (1, 0); D = M or the token total. Both sum the same per-microbatch float64 gradients over the
+same ranks, in another order (buckets and flat buffer against one all_reduce per parameter): each of the <=
+8 additions rounds by at most 2**-53 relative, |gradients| < 10, so TOL = 1e-12 is far above what order can
+change and far below any counting mistake (>= 1e-2 here).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from gradagg.torch.pure import PureAccumulator
 from tests.torch.workers import dist as w
 from tests.torch.workers import train as tw
 
-FORMS = ("plain", "ddp", "fsdp2")
+FORMS = ("plain", "ddp", "ddp_views", "fsdp2")  # ddp_views: gradient_as_bucket_view, find_unused_parameters
 COUNTS = ([0, 4], [3, 5], [1, 0])
 
 
@@ -44,8 +44,9 @@ def wrapped(form: str, mesh: Any) -> tuple[nn.Module, nn.Module]:
         sharded = tw.sharded_moe(mesh)
         return sharded, sharded
     model = w.TinyMoE()
-    if form == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model)
+    if form in ("ddp", "ddp_views"):
+        views = form == "ddp_views"
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=views, find_unused_parameters=views)
         return ddp, ddp
     return model, model
 
