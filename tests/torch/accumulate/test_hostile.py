@@ -84,8 +84,10 @@ def test_grad_set_between_microbatches_refused_on_every_rank(hostile_results: li
 
 
 def test_grad_set_on_an_fsdp2_shard_refused_on_every_rank(hostile_results: list[dict[str, Any]]) -> None:
-    """A .grad set on a sharded DTensor inside a window cannot join the unsharded sum: both ranks refuse."""
+    """A .grad set on a sharded DTensor inside a window cannot join the unsharded sum; under every_microbatch one
+    set on the unsharded parameter after FSDP reduced it would be absorbed by a later backward: both ranks refuse."""
     _both(hostile_results, "set_on_shard", "WindowError", "rank 1 had a .grad set by hand")
+    _both(hostile_results, "set_after_fsdp_reduced", "WindowError", "rank 1 had a .grad set by hand")
 
 
 def test_grad_set_inside_a_microbatch_counts_there(hostile_results: list[dict[str, Any]]) -> None:

@@ -114,21 +114,23 @@ def permuted(seed: int | None) -> tuple[bool, Any]:
     return order != [0, 1, 2, 3], error_of(lambda: one_window(MicrobatchAccumulator(params), params, [None]))
 
 
-def set_on_shard() -> Any:
-    """FSDP2 window form: inside a microbatch, rank 1 sets .grad on a sharded parameter (what an optimizer holds)."""
+def set_on_shard(mode: str) -> Any:
+    """FSDP2, inside a microbatch, after its backward, rank 1 sets a .grad that no sum can take: window form, on
+    the sharded parameter (what an optimizer holds); every_microbatch, on the unsharded one FSDP just reduced."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = fully_shard(nn.Linear(4, 2, bias=False), mesh=init_device_mesh("cpu", (2,)))
     shards = list(model.parameters())  # the DTensors, before any window unshards them
-    acc = MicrobatchAccumulator(model)
+    acc = MicrobatchAccumulator(model, fsdp=mode)  # type: ignore[arg-type]
 
     def window() -> None:
         with acc.microbatch():
             model(torch.ones(1, 4)).sum().backward()
             if dist.get_rank() == 1:
-                shards[0].grad = torch.zeros_like(shards[0])
+                target = shards[0] if mode == "window" else acc.state.unsharded[0]
+                target.grad = torch.zeros_like(target)
         acc.finish()
 
     return error_of(window)
@@ -150,7 +152,8 @@ def hostile_world() -> dict[str, Any]:
         "inside_fast": hand_set_inside("fast"),
         "inside_pure": hand_set_inside("pure"),
         "divisors_invalid_one_rank": divisors_on_rank({"tokens": 4}, {"tokens": -1}),
-        "set_on_shard": set_on_shard(),
+        "set_on_shard": set_on_shard("window"),
+        "set_after_fsdp_reduced": set_on_shard("every_microbatch"),
         "permutations": [permuted(None)] + [permuted(seed) for seed in range(8)],
     }
     return out

@@ -78,14 +78,20 @@ def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
 def take_hand_set(state: State) -> None:
     """At a microbatch's end: a ``.grad`` still present was set by hand in it; count it there, like a backward's.
 
-    A sharded parameter's ``.grad`` (window form) cannot be added to a full gradient: the window is refused.
+    A sharded parameter's ``.grad`` (window form) cannot be added to a full gradient, nor can one set on an
+    unsharded parameter after FSDP reduced it (every_microbatch form): the window is refused.
     """
     for i, t in hooked_grads(state):
         on_grad(state, i, t)
-    if state.fsdp is not None and state.fsdp.mode == "window":
-        for i in sorted(state.sharded):
-            if state.tensors[i].grad is not None:
-                state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set on its shard in a window")
+    if state.fsdp is None:
+        return
+    for i in sorted(state.sharded):
+        if state.fsdp.mode == "window" and state.tensors[i].grad is not None:
+            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set on its shard in a window")
+        unsharded = state.unsharded.get(i)
+        if not state.takes(i) and unsharded is not None and unsharded.grad is not None:
+            # every_microbatch: FSDP's backward already reduced and cleared it; a later one would absorb this
+            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set after FSDP reduced it")
 
 
 def refuse_hand_set(state: State, where: str) -> None:
