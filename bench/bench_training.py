@@ -146,7 +146,7 @@ def rank_bench(repeats: int) -> dict[str, Any]:
     skewed.verify()
     _fill_grads(model, acc)
     acc.finish()  # builds the layout (and checks it across ranks once)
-    plain_same_as_finish = torch.randn(acc._layout_now().size)
+    plain_same_as_finish = torch.randn(acc.state.layout().size)
     plain = torch.randn(numel)
 
     def finish_only() -> None:
@@ -227,7 +227,7 @@ def ddp_bench(repeats: int) -> dict[str, Any]:
         "times": times,
         "max_grad_diff": diff,
         "collectives": dict(c.by_op),
-        "buckets": len(acc._layout_now().buckets),
+        "buckets": len(acc.state.layout().buckets),
     }
 
 

@@ -1,12 +1,12 @@
 """FSDP2 (fully_shard) with uneven microbatch counts, a rank with none included, and token weights.
 
 Run:  python examples/fsdp2_uneven.py
- or:  torchrun --standalone --nproc-per-node 2 examples/fsdp2_uneven.py
-Rank 0 runs no microbatch this window, rank 1 runs 3. FSDP's own reduce-scatter would run once per
-microbatch (a different number of times on each rank: it would hang) and divide by the world size;
-MicrobatchAccumulator(model) keeps the parameters unsharded over the window, sends nothing until
-finish(), then reduce-scatters once and divides by the counted D. The gradients are DTensor shards;
-the script compares their full tensors with one forward/backward of the whole batch.
+ or:  torchrun --standalone --nproc-per-node 2 examples/fsdp2_uneven.py   (any number of ranks)
+Rank 0 runs no microbatch this window, rank 1 runs 3 (further ranks 2, 0, 1, 2, ...). FSDP's own reduce-
+scatter would run once per microbatch (a different number of times on each rank: it would hang) and
+divide by the world size; MicrobatchAccumulator(model) keeps the parameters unsharded over the window,
+sends nothing until finish(), then reduce-scatters once and divides by the counted D. The gradients are
+DTensor shards; the script compares their full tensors with one forward/backward of the whole batch.
 """
 
 import os
@@ -29,12 +29,17 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).double()
 
 
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def counts_for(world: int) -> list[int]:
+    """Microbatches per rank: 0 and 3 on two ranks, then 2, 0, 1, 2, ... on any further ones."""
+    return [0, 3, *((2 + r) % 3 for r in range(world - 2))][:world]
+
+
+def make_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     batches = []
-    for k in range(3):
+    for k in range(n):
         x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64)
-        batches.append((x, y, torch.arange(8) < 3 + 2 * k))  # 3, 5, 7 valid tokens
+        batches.append((x, y, torch.arange(8) < 3 + 2 * (k % 3)))  # 3, 5, 7, 3, ... valid tokens
     return batches
 
 
@@ -50,7 +55,7 @@ def train_step(counts: list[int]) -> str:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     acc = MicrobatchAccumulator(model)  # fsdp="window": any counts per rank
-    batches = make_batches()
+    batches = make_batches(sum(counts))
     for x, y, valid in acc.microbatches(batches[sum(counts[:rank]) : sum(counts[: rank + 1])]):
         with acc.microbatch(weight=int(valid.sum())):
             loss_sum(model, x, y, valid).backward()
@@ -69,7 +74,8 @@ def train_step(counts: list[int]) -> str:
 
 
 if __name__ == "__main__":
-    for r, line in enumerate(run_world(train_step, 2, [0, 3])):
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 2  # the launcher's, or 2 local ranks
+    for r, line in enumerate(run_world(train_step, world, counts_for(world))):
         # One write per line: torchrun makes stdout unbuffered, and print() writes the text and its newline
         # separately, so two ranks' lines could interleave.
         sys.stdout.write(f"rank {os.environ['RANK'] if launched_by_torchrun() else r}: {line}\n")

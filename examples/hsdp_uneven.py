@@ -30,7 +30,7 @@ def train_step(counts: list[int]) -> str:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     acc = MicrobatchAccumulator(model)
-    batches = (make_batches() * 2)[: sum(counts)]
+    batches = (make_batches(3) * 2)[: sum(counts)]
     with count_collectives() as sent:
         for x, y, valid in acc.microbatches(batches[sum(counts[:rank]) : sum(counts[: rank + 1])]):
             with acc.microbatch(weight=int(valid.sum())):
@@ -49,6 +49,9 @@ def train_step(counts: list[int]) -> str:
 
 
 if __name__ == "__main__":
+    if launched_by_torchrun() and os.environ["WORLD_SIZE"] != "4":
+        started = os.environ["WORLD_SIZE"]
+        raise SystemExit(f"hsdp_uneven.py needs 4 ranks (a 2 x 2 mesh); the launcher started {started}")
     for r, line in enumerate(run_world(train_step, 4, [2, 0, 1, 3])):
         # One write per line: torchrun makes stdout unbuffered, and print() writes the text and its newline
         # separately, so two ranks' lines could interleave.

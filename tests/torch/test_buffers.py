@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradagg.torch import MicrobatchAccumulator
-from gradagg.torch._buffers import ReusableBuffer
+from gradagg.torch.buffers import ReusableBuffer
 from tests.torch.workers import dist as w
 
 

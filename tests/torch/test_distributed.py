@@ -150,7 +150,7 @@ def test_owner_reduce_matches_reference_on_case_fixtures(owner_results: list[dic
 def test_owner_reduce_matches_reference_on_seeded_rows(owner_results: list[dict[str, Any]]) -> None:
     """Seed 7, 12 vector shards, stale replicas (one NaN), owners balanced or all on rank 0, through each
     collective: bit-equal to reference.owner_sum; one collective per call after the once-per-declaration
-    verification (one all_gather_object). On gloo "auto" picks the all_reduce (see ownership._use_gather)."""
+    verification (one all_gather_object). On gloo "auto" picks the all_reduce (see gradagg.torch.reduce)."""
     for r in owner_results:
         for (skew, collective), got in r["random"].items():
             assert got["equal"] and got["held_intact"], (skew, collective)

@@ -58,3 +58,17 @@ def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     checks = re.findall(r"max error ([0-9.e+-]+)\s+ok$", done.stdout, re.M)
     assert len(checks) == 5 and all(float(e) <= 1e-10 for e in checks), done.stdout
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")
+@pytest.mark.parametrize(("script", "ranks", "line"), [
+    ("examples/token_weighted.py", 3, "D = 102 tokens (per rank [24.0, 42.0, 36.0]), M = 8"),
+    ("examples/fsdp2_uneven.py", 4, "counts [0, 3, 2, 0], D = 23; .grad is a DTensor"),
+])
+def test_examples_run_on_the_world_size_torchrun_gives(script: str, ranks: int, line: str) -> None:
+    """Not only 2 ranks: the examples take the launcher's world size (a rank with none included on 4)."""
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(ranks), script]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=LOOPBACK, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count(line) == ranks, proc.stdout
+    assert all(e <= 1e-12 for e in _errors(proc.stdout)) and len(_errors(proc.stdout)) == ranks

@@ -1,13 +1,15 @@
 """Thin named collectives over one private reducer, counted.
 
-Every collective gradagg issues goes through :func:`_reduce` (tensors) or
-:func:`all_gather_object` (small Python objects), so that
+Every collective gradagg issues goes through one private function, :func:`_collective`
+(torchtitan's ``_dist_reduce_tensor`` plays that part there); the named wrappers
+(:func:`all_reduce_sum`, :func:`all_reduce_sum_async`, :func:`reduce_scatter_sum_async`,
+:func:`all_gather_into`, :func:`all_gather_object`) only say what to call and what the
+operation means on one rank, so that
 
 * one code path serves one process and many: ``group=None`` means what it means
   in :mod:`torch.distributed` (the default group) when a process group is
-  initialised, and with no process group at all the call is a no-op (one
-  process, no communication), as torchtitan's ``dist_sum`` over
-  ``_dist_reduce_tensor``;
+  initialised, and with no process group at all (or a group of one rank) the
+  call does what the operation means on one rank, without communication;
 * a failed or timed-out collective becomes a :class:`~gradagg.errors.CollectiveError`
   naming the rank and the operation, instead of a bare backend ``RuntimeError``;
 * tests and benchmarks can count what was sent: :func:`count_collectives`.
@@ -22,9 +24,9 @@ import contextlib
 import hashlib
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,16 +88,23 @@ def _record(op: str, elements: int) -> None:
 
 
 def is_distributed(group: Group = None) -> bool:
-    """Whether collectives on ``group`` communicate (a process group is initialised).
+    """Whether collectives on ``group`` communicate: a process group is initialised, this rank belongs to
+    ``group`` (None: the default group) and ``group`` has more than one rank.
+
+    A group of one rank, like no group at all, runs as one process with no communication (a sum over one
+    rank is the value itself); a rank outside ``group`` takes part in none of its collectives, as in
+    :mod:`torch.distributed`.
 
     >>> is_distributed()  # a plain process
     False
     """
-    return dist.is_available() and dist.is_initialized()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return dist.get_world_size(group) > 1  # -1 on a rank outside the group
 
 
 def get_rank(group: Group = None) -> int:
-    """This process's rank in ``group``; 0 with no process group.
+    """This process's rank in ``group``; 0 with no process group (or a group of one).
 
     >>> get_rank()
     0
@@ -104,7 +113,7 @@ def get_rank(group: Group = None) -> int:
 
 
 def get_world_size(group: Group = None) -> int:
-    """Number of ranks in ``group``; 1 with no process group.
+    """Number of ranks in ``group``; 1 with no process group (or a group of one).
 
     >>> get_world_size()
     1
@@ -121,21 +130,35 @@ def device_for(group: Group = None) -> torch.device:
     >>> device_for()
     device(type='cpu')
     """
-    if is_distributed(group) and dist.get_backend(group) == "nccl":
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, name: str, group: Group) -> torch.Tensor:
-    """The one private reducer: in place on ``tensor``, identity without a process group."""
+T = TypeVar("T")
+
+
+def _collective(op: str, what: str, elements: int, group: Group, issue: Callable[[], T], alone: Callable[[], T]) -> T:
+    """The one place a collective is issued: ``alone()`` without communication, else ``issue()``, counted.
+
+    Args:
+        op: the operation's name, for counts and messages (e.g. ``"all_reduce(sum)"``).
+        what: what it moves, for messages (e.g. ``"16 elements of torch.float64"``).
+        elements: tensor elements sent (0 for objects), for :func:`count_collectives`.
+        group: the process group.
+        issue: calls :mod:`torch.distributed`.
+        alone: what the operation means on one rank (the identity, or a copy).
+
+    Raises:
+        CollectiveError: the backend failed or timed out (DistBackendError and gloo's timeouts are RuntimeErrors).
+    """
     if not is_distributed(group):
-        return tensor
-    _record(name, tensor.numel())
+        return alone()
+    _record(op, elements)
     try:
-        dist.all_reduce(tensor, op=op, group=group)
-    except RuntimeError as exc:  # DistBackendError and gloo's timeouts are RuntimeErrors
-        raise _failure(name, f"{tensor.numel()} elements of {tensor.dtype}", group, exc) from exc
-    return tensor
+        return issue()
+    except RuntimeError as exc:
+        raise _failure(op, what, group, exc) from exc
 
 
 def _failure(name: str, what: str, group: Group, exc: BaseException) -> CollectiveError:
@@ -144,6 +167,10 @@ def _failure(name: str, what: str, group: Group, exc: BaseException) -> Collecti
         f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line} "
         "(a peer rank died, diverged or timed out; every rank must call the same collectives in the same order)"
     )
+
+
+def _elements(t: torch.Tensor) -> str:
+    return f"{t.numel()} elements of {t.dtype}"
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -162,7 +189,8 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     >>> all_reduce_sum(torch.tensor([1.0, 2.0]))
     tensor([1., 2.])
     """
-    return _reduce(tensor, dist.ReduceOp.SUM, "all_reduce(sum)", group)
+    all_reduce_sum_async(tensor, group).wait()
+    return tensor
 
 
 class Pending:
@@ -208,15 +236,11 @@ def all_reduce_sum_async(tensor: torch.Tensor, group: Group = None) -> Pending:
     >>> all_reduce_sum_async(t).wait(); t
     tensor([1., 1.])
     """
-    name, what = "all_reduce(sum)", f"{tensor.numel()} elements of {tensor.dtype}"
-    if not is_distributed(group):
-        return Pending(None, name, what, group)
-    _record(name, tensor.numel())
-    try:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    except RuntimeError as exc:
-        raise _failure(name, what, group, exc) from exc
-    return Pending(work, name, what, group)
+    op, what = "all_reduce(sum)", _elements(tensor)  # all_reduce and reduce_scatter sum by default
+    work = _collective(
+        op, what, tensor.numel(), group, lambda: dist.all_reduce(tensor, group=group, async_op=True), lambda: None
+    )
+    return Pending(work, op, what, group)
 
 
 def reduce_scatter_sum_async(output: torch.Tensor, tensor: torch.Tensor, group: Group = None) -> Pending:
@@ -237,37 +261,17 @@ def reduce_scatter_sum_async(output: torch.Tensor, tensor: torch.Tensor, group: 
     >>> reduce_scatter_sum_async(out, torch.tensor([3.0, 4.0])).wait(); out
     tensor([3., 4.])
     """
-    name, what = "reduce_scatter(sum)", f"{tensor.numel()} elements of {tensor.dtype}"
-    if not is_distributed(group):
-        output.copy_(tensor)
-        return Pending(None, name, what, group)
-    _record(name, tensor.numel())
+    op, what = "reduce_scatter(sum)", _elements(tensor)
     # reduce_scatter_single is the newer name (torch >= 2.10); reduce_scatter_tensor is deprecated there.
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    try:
-        work = scatter(output, tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    except RuntimeError as exc:
-        raise _failure(name, what, group, exc) from exc
-    return Pending(work, name, what, group)
 
+    def alone() -> None:
+        output.copy_(tensor)
 
-def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Element-wise maximum of ``tensor`` over the ranks of ``group``, in place.
-
-    Args:
-        tensor: on :func:`device_for` ``(group)``; same shape and dtype on every rank.
-        group: a process group, or None for the default one.
-
-    Returns:
-        ``tensor``, now holding the maximum over ranks.
-
-    Raises:
-        CollectiveError: the collective failed or timed out.
-
-    >>> all_reduce_max(torch.tensor([3, 1]))
-    tensor([3, 1])
-    """
-    return _reduce(tensor, dist.ReduceOp.MAX, "all_reduce(max)", group)
+    work = _collective(
+        op, what, tensor.numel(), group, lambda: scatter(output, tensor, group=group, async_op=True), alone
+    )
+    return Pending(work, op, what, group)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -287,15 +291,14 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = N
     >>> all_gather_into(torch.empty(2), torch.tensor([5.0, 6.0]))
     tensor([5., 6.])
     """
-    if not is_distributed(group):
-        return output.copy_(tensor)
-    _record("all_gather", tensor.numel())
     # all_gather_single is the newer name (torch >= 2.10); all_gather_into_tensor is deprecated there.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    try:
-        gather(output, tensor, group=group)
-    except RuntimeError as exc:
-        raise _failure("all_gather", f"{tensor.numel()} elements of {tensor.dtype}", group, exc) from exc
+
+    def alone() -> None:
+        output.copy_(tensor)
+    _collective(
+        "all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group), alone
+    )
     return output
 
 
@@ -315,14 +318,13 @@ def all_gather_object(obj: object, group: Group = None) -> list[object]:
     >>> all_gather_object({"w": 0})
     [{'w': 0}]
     """
-    if not is_distributed(group):
-        return [obj]
-    _record("all_gather_object", 0)
-    out: list[object] = [None] * get_world_size(group)
-    try:
+    out: list[object] = [obj]
+
+    def issue() -> None:
+        out[:] = [None] * get_world_size(group)
         dist.all_gather_object(out, obj, group=group)
-    except RuntimeError as exc:
-        raise _failure("all_gather_object", type(obj).__name__, group, exc) from exc
+
+    _collective("all_gather_object", type(obj).__name__, 0, group, issue, lambda: None)
     return out
 
 

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 
 from gradagg.errors import CollectiveError, IdError
-from gradagg.torch._buffers import ReusableBuffer
+from gradagg.torch.buffers import ReusableBuffer
 from gradagg.torch.collectives import (
     Group,
     all_gather_object,
@@ -36,7 +36,7 @@ from gradagg.torch.collectives import (
     get_world_size,
     is_distributed,
 )
-from gradagg.torch.placements import Piece, ShardId, ShardMap, owners_from_pieces, piece_of
+from gradagg.torch.placements import Piece, ShardId, ShardMap, dtype_name, owners_from_pieces, piece_of
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class ShardSpec:
 
     def describe(self) -> str:
         """``(shape=(4, 3), dtype=float32, owner=0)``: the form mismatch messages use."""
-        return f"(shape={self.shape}, dtype={_dtype_name(self.dtype)}, owner={self.owner})"
+        return f"(shape={self.shape}, dtype={dtype_name(self.dtype)}, owner={self.owner})"
 
 
 class Ownership:
@@ -68,6 +68,10 @@ class Ownership:
 
     Args:
         shards: shard id -> :class:`ShardSpec`. Shard ids are ``int`` or ``str``.
+
+    Attributes:
+        pools: the flat buffers :func:`~gradagg.torch.owner_reduce` lays this declaration out in (all_reduce;
+            gather input; gather output), reused by its next call while no result of the last is alive.
 
     Raises:
         IdError: a shard id or owner of the wrong type, or a negative owner.
@@ -86,7 +90,7 @@ class Ownership:
         self._specs: dict[ShardId, ShardSpec] = {s: given[s] for s in self._order}
         self._verified: list[object] = []  # groups this declaration was verified on
         # owner_reduce's flat buffers (all_reduce; gather input; gather output), reused while free
-        self._pools = (ReusableBuffer(), ReusableBuffer(), ReusableBuffer())
+        self.pools = (ReusableBuffer(), ReusableBuffer(), ReusableBuffer())
 
     @classmethod
     def from_tensors(cls, tensors: ShardMap[torch.Tensor], owners: ShardMap[int] | int) -> Ownership:
@@ -218,15 +222,12 @@ class Ownership:
 # --- declaration helpers -----------------------------------------------------
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def numel(shape: tuple[int, ...]) -> int:
+    """The number of elements of ``shape`` (1 for ``()``)."""
     n = 1
     for d in shape:
         n *= d
     return n
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _shard_key(shard: ShardId) -> tuple[int, int, str]:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 
 from gradagg.errors import PlacementError
-from gradagg.torch.collectives import Group, get_rank, is_distributed
+from gradagg.torch.collectives import Group, get_rank
 
 ShardId = int | str
 _V = TypeVar("_V")
@@ -65,6 +65,15 @@ class Piece:
     dtype: torch.dtype
     mesh_ranks: tuple[int, ...]
     error: str | None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages and layout checks write it: ``float32``, not ``torch.float32``.
+
+    >>> dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    return str(dtype).removeprefix("torch.")
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
@@ -161,7 +170,7 @@ def piece_of(name: str, tensor: torch.Tensor, group: Group = None) -> Piece:
     >>> piece_of("w", torch.zeros(2, 3)).description
     'plain (shape=(2, 3), dtype=float32)'
     """
-    shape, dtype = tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+    shape, dtype = tuple(tensor.shape), dtype_name(tensor.dtype)
     if not is_dtensor(tensor):
         plain = f"plain (shape={shape}, dtype={dtype})"
         return Piece(name, plain, name, counts_here(tensor, group), shape, tensor.dtype, (), None)
@@ -277,9 +286,10 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
 
 
 def _group_ranks(group: Group) -> list[int]:
-    """The global ranks of ``group`` (``[0]`` with no process group)."""
-    if not is_distributed(group):
-        return [0]
+    """The global ranks of ``group`` (``[0]`` with no process group; a group of one names its own rank)."""
     import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
 
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))

@@ -29,8 +29,8 @@ from gradagg.torch.collectives import (
     get_world_size,
     is_distributed,
 )
-from gradagg.torch.ownership import Ownership, _dtype_name, _numel
-from gradagg.torch.placements import ShardId, ShardMap, is_dtensor
+from gradagg.torch.ownership import Ownership, numel
+from gradagg.torch.placements import ShardId, ShardMap, dtype_name, is_dtensor
 
 Contributions = ShardMap[torch.Tensor] | Iterable[tuple[ShardId, torch.Tensor]]
 Collective = Literal["auto", "all_reduce", "all_gather"]
@@ -115,7 +115,7 @@ def _owned_sums(
         if tuple(grad.shape) != spec.shape or grad.dtype != spec.dtype:
             return {}, GradientShapeError(
                 f"rank {rank}: gradient of shard {shard!r} has shape={tuple(grad.shape)}, "
-                f"dtype={_dtype_name(grad.dtype)}; declared {spec.describe()}"
+                f"dtype={dtype_name(grad.dtype)}; declared {spec.describe()}"
             )
         if spec.owner != rank:
             continue  # a replica: held, maybe stale, never counted
@@ -127,9 +127,9 @@ def _owned_sums(
 def _use_gather(collective: Collective, layout: _Layout, group: Group) -> bool:
     if collective != "auto":
         return collective == "all_gather"
-    # Bytes decide on NCCL, where both collectives run at link speed. Gloo's all_gather on loopback was
-    # measured 4x slower than its all_reduce of twice the bytes (2 ranks, 19 MB each: 181 ms vs 45 ms),
-    # so on gloo (and any other backend) the all_reduce is the faster choice whatever the bytes say.
+    # Bytes decide on NCCL, where both collectives run at link speed. Gloo's all_gather on loopback is several
+    # times slower than its all_reduce of twice the bytes (bench/bench_training.py, the forced all_gather row of
+    # bench/RESULTS.md), so on gloo (and any other backend) the all_reduce is the faster choice whatever the bytes say.
     import torch.distributed as dist
 
     return dist.get_backend(group) == "nccl" and layout.gather_moves_fewer_bytes()
@@ -168,7 +168,7 @@ class _Layout:
         self.world = world
         self.device = device or torch.device("cpu")
         self.order = list(ownership)
-        self.nbytes = {s: _numel(ownership.spec(s).shape) * ownership.spec(s).dtype.itemsize for s in self.order}
+        self.nbytes = {s: numel(ownership.spec(s).shape) * ownership.spec(s).dtype.itemsize for s in self.order}
         self.owned = [ownership.owned_by(r) for r in range(world)]
         self.offsets = self._offsets(self.order)  # byte offsets in the all_reduce buffer
         self.data_lanes = sum(_padded(self.nbytes[s]) for s in self.order) // _LANE_BYTES
@@ -187,7 +187,7 @@ class _Layout:
         """This rank's buffer: its owned shards' bytes (unless ``bad``), zeros elsewhere (whatever ``local``
         holds for shards it does not own), then the flags."""
         n = len(self.order)
-        buf = self.ownership._pools[0].get(self.data_lanes + n + self.world, _LANE, self.device, zero=False)
+        buf = self.ownership.pools[0].get(self.data_lanes + n + self.world, _LANE, self.device, zero=False)
         raw = buf.view(torch.uint8)
         mine = {s: local[s] for s in self.owned[rank] if s in local and not bad}  # only an owner's bytes are sent
         for shard in self.order:  # every byte written exactly once: no separate zeroing pass
@@ -216,7 +216,7 @@ class _Layout:
     def pack_all_gather(self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int) -> torch.Tensor:
         """This rank's part: its owned shards' bytes, presence flags and status, padded to the largest part."""
         mine = self.owned[rank]
-        chunk = self.ownership._pools[1].get(self.chunk, _LANE, self.device, zero=False)
+        chunk = self.ownership.pools[1].get(self.chunk, _LANE, self.device, zero=False)
         raw = chunk.view(torch.uint8)
         for shard, offset in self._offsets(mine).items():
             self._write(raw, offset, shard, None if bad else local.get(shard))
@@ -246,7 +246,7 @@ class _Layout:
         self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
     ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
         chunk = self.pack_all_gather(local, bad, rank)
-        out = self.ownership._pools[2].get(self.world * self.chunk, _LANE, self.device, zero=False)
+        out = self.ownership.pools[2].get(self.world * self.chunk, _LANE, self.device, zero=False)
         return self.unpack_all_gather(all_gather_into(out, chunk, group))
 
     # --- bytes ---------------------------------------------------------------------------------

@@ -223,13 +223,13 @@ def window_failures_world() -> dict[str, Any]:
                     raise RuntimeError("injected failure after backward")
         except RuntimeError:
             pass
-    out["poisoned"] = _error_of(acc.finish)
+    out["poisoned"] = error_of(acc.finish)
     acc.discard()
     acc2, _ = accumulate(model, batches)
     out["after_discard"] = max_error(grads_of(model), full_batch_grads(microbatches(4)))
     # no microbatch anywhere: M = 0
     model.zero_grad()
-    out["m_zero"] = _error_of(MicrobatchAccumulator(TinyMoE()).finish)
+    out["m_zero"] = error_of(MicrobatchAccumulator(TinyMoE()).finish)
     # rank 0 runs none, rank 1 runs two: rank 0 still contributes zeros and receives the mean
     model = TinyMoE()
     _, ledger = accumulate(model, my_share([0, 2], rank))
@@ -244,7 +244,7 @@ def window_failures_world() -> dict[str, Any]:
         for batch in microbatches(1):
             with acc3.microbatch():
                 loss_of(model, batch).backward()
-    out["stale"] = _error_of(acc3.finish)
+    out["stale"] = error_of(acc3.finish)
     # gradients kept from a finished window are never overwritten by the next one (the flat buffer is
     # reused only when no view of it is alive), and a second finish() without microbatches cannot divide
     # again: rank 1 kept stale gradients, so every rank refuses
@@ -255,7 +255,7 @@ def window_failures_world() -> dict[str, Any]:
     model.zero_grad()
     accumulate(model, my_share([2, 1], rank, seed=5), acc=acc4)
     out["kept_intact"] = torch.equal(kept, kept_copy)
-    out["second_finish"] = _error_of(acc4.finish)
+    out["second_finish"] = error_of(acc4.finish)
     return out
 
 
@@ -275,9 +275,9 @@ def nonfinite_world() -> dict[str, Any]:
     out["identical"] = all(_same_values(a, b) for a, b in zip(gathered[0], gathered[1]))
     out["nan_params"] = sorted(n for n, g in mine if bool(g.isnan().any()))
     out["norm_is_nan"] = math.isnan(float(grad_norm(model.parameters())))
-    out["clip_raises"] = _error_of(lambda: clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True))
+    out["clip_raises"] = error_of(lambda: clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True))
     model = TinyMoE()
-    out["raise_mode"] = _error_of(lambda: accumulate(model, batches, nonfinite="raise"))
+    out["raise_mode"] = error_of(lambda: accumulate(model, batches, nonfinite="raise"))
     return out
 
 
@@ -287,7 +287,8 @@ def _same_values(a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor]) -> bo
     )
 
 
-def _error_of(fn: Any) -> tuple[str, str] | None:
+def error_of(fn: Any) -> tuple[str, str] | None:
+    """``(error class, message)`` of the GradaggError ``fn()`` raises, or None; any other exception propagates."""
     try:
         fn()
     except GradaggError as exc:
@@ -382,7 +383,7 @@ def layout_mismatch_world() -> dict[str, Any]:
     model = TinyMoE()
     if dist.get_rank() == 1:
         model.extra = nn.Linear(1, 1).double()
-    return {"error": _error_of(lambda: accumulate(model, microbatches(1)))}
+    return {"error": error_of(lambda: accumulate(model, microbatches(1)))}
 
 
 def mismatch_world() -> dict[str, Any]:
@@ -397,10 +398,10 @@ def mismatch_world() -> dict[str, Any]:
             else:
                 specs[shard] = spec
         contributions = {"w": torch.ones(2, 3), "b": torch.ones(3)}
-        out[kind] = _error_of(lambda c=contributions, s=specs: owner_reduce(c, Ownership(s)))
+        out[kind] = error_of(lambda c=contributions, s=specs: owner_reduce(c, Ownership(s)))
     good = Ownership({"w": ShardSpec((2, 3), torch.float32, 0), "b": ShardSpec((3,), torch.float32, 1)})
     out["good"] = {s: t.tolist() for s, t in owner_reduce({"w": torch.ones(2, 3), "b": torch.ones(3)}, good).items()}
-    out["owner_out_of_group"] = _error_of(lambda: Ownership({"w": ShardSpec((1,), torch.float32, 9)}).verify())
+    out["owner_out_of_group"] = error_of(lambda: Ownership({"w": ShardSpec((1,), torch.float32, 9)}).verify())
     return out
 
 

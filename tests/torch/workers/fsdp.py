@@ -18,7 +18,7 @@ from torch import nn
 
 from gradagg.errors import GradaggError
 from gradagg.torch import MicrobatchAccumulator
-from gradagg.torch.fsdp import is_dtensor
+from gradagg.torch.placements import is_dtensor
 from tests.torch.workers import dist as w
 from tests.torch.workers import train as tw
 
@@ -224,7 +224,7 @@ def _exact(mp: dict[str, Any], dtype: torch.dtype, mode: str, shape: tuple[int, 
     mine = [(x, rank == 1) for x in xs] if mode == "every_microbatch" or rank == 1 else []
     acc = MicrobatchAccumulator(model, fsdp=mode)  # type: ignore[arg-type]
     if unhook:  # FSDP then sums the reduced shards into .grad itself, in the parameter's dtype
-        for t, handle in acc._hooked.values():
+        for t, handle in acc.state.hooked.values():
             if is_dtensor(t):
                 handle.remove()
     for x, real in acc.microbatches(mine):

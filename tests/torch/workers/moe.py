@@ -194,20 +194,20 @@ def refusals(experts: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if dist.get_rank() == 1:  # a gradient left unreduced: partial sums, not a piece
         w_in.grad = DTensor.from_local(torch.zeros(w_in.shape, dtype=torch.float64), w_in.device_mesh, [Partial()])
-    out["partial_grad"] = _error_of(lambda: grad_norm(model.named_parameters(), ownership=own))
-    out["partial_grad_undeclared"] = _error_of(lambda: grad_norm(model.parameters()))
+    out["partial_grad"] = error_of(lambda: grad_norm(model.named_parameters(), ownership=own))
+    out["partial_grad_undeclared"] = error_of(lambda: grad_norm(model.parameters()))
     other = sharded(experts, mesh)
     if dist.get_rank() == 1:  # rank 1 replicates what the others shard (from_local: no communication)
         full = torch.zeros(w_in.shape, dtype=torch.float64)
         other.experts.w_in = nn.Parameter(DTensor.from_local(full, w_in.device_mesh, [Replicate()]))
-    out["placement_differs"] = _error_of(lambda: Ownership.from_module(other))
+    out["placement_differs"] = error_of(lambda: Ownership.from_module(other))
     partial = nn.Module()
     partial.w = nn.Parameter(DTensor.from_local(torch.zeros(2), w_in.device_mesh, [Partial()]))
-    out["partial_param"] = _error_of(lambda: Ownership.from_module(partial))
+    out["partial_param"] = error_of(lambda: Ownership.from_module(partial))
     return out
 
 
-def _error_of(fn: Any) -> tuple[str, str] | None:
+def error_of(fn: Any) -> tuple[str, str] | None:
     try:
         fn()
     except Exception as exc:  # the tests assert the type and message

@@ -1,10 +1,10 @@
 """Rank workers for the training tests: weights, loss terms, DDP overlap, FSDP2, HSDP (importable by the ranks).
 
-Every ``*_world`` function runs on each rank of a local gloo world (``gradagg.testing``) and returns
-plain values; the tests in ``test_training.py`` assert on them. The data are *tokens*: each microbatch
-holds ``B`` samples of which only some are valid (the others are padding), so a token mean differs
-from a mean of microbatch means. The truth is always one forward/backward of the whole global batch on
-a fresh model in one process (float64).
+Every ``*_world`` function runs on each rank of a local gloo world (``gradagg.testing``) and returns plain
+values; the tests in ``tests/torch/accumulate/test_training.py`` assert on them. The data are *tokens*: each
+microbatch holds ``B`` samples of which only some are valid (the others are padding), so a token mean
+differs from a mean of microbatch means. The truth is always one forward/backward of the whole global batch
+on a fresh model in one process (float64).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def plain_world() -> dict[str, Any]:
             "error": w.max_error(_grads(model), token_truth(data[: sum(counts)])),
             "ledger": ledger,
             "collectives": dict(c.by_op),
-            "buckets": len(acc._layout_now().buckets),
+            "buckets": len(acc.state.layout().buckets),
         }
     out["terms"] = _terms(rank, data)
     out["mixed"] = _mixed(rank, data)
@@ -138,7 +138,7 @@ def _mixed(rank: int, data: list[TokenBatch]) -> Any:
     acc = MicrobatchAccumulator(model)
     with acc.microbatch(weight=3 if rank == 0 else None):
         token_loss_sum(model, data[rank]).backward()
-    return w._error_of(acc.finish)
+    return w.error_of(acc.finish)
 
 
 def _unfrozen(rank: int) -> Any:
@@ -150,7 +150,7 @@ def _unfrozen(rank: int) -> Any:
         model.unused.requires_grad_(True)
     with acc.microbatch():
         w.loss_of(model, w.microbatches(1)[0]).backward()
-    return w._error_of(acc.finish)
+    return w.error_of(acc.finish)
 
 
 def zero_grad_world(form: str) -> dict[str, Any]:
@@ -239,7 +239,7 @@ def ddp_world() -> dict[str, Any]:
             "error": w.max_error(_grads(ddp.module), token_truth(data[: sum(counts)])),
             "ledger": ledger,
             "collectives": dict(c.by_op),
-            "buckets": len(acc._layout_now().buckets),
+            "buckets": len(acc.state.layout().buckets),
         }
         acc.close()
     return out
@@ -282,7 +282,7 @@ def fsdp_world() -> dict[str, Any]:
                     "ledger": ledger,
                     "collectives": dict(c.by_op),
                     "grad_types": kinds,
-                    "buckets": len(acc._layout_now().buckets),
+                    "buckets": len(acc.state.layout().buckets),
                 }
             )
             model.zero_grad()

@@ -1,25 +1,7 @@
-"""Exactly-once microbatch accumulation over torch.distributed: :class:`MicrobatchAccumulator`.
+"""The public class, :class:`MicrobatchAccumulator`: a thin shell over one :class:`~.state.State`.
 
-Contract (the distributed form of :func:`gradagg.reference.microbatch_mean`): after
-:meth:`MicrobatchAccumulator.finish`, every parameter's ``.grad`` is
-
-    sum over all microbatches on all ranks of its gradient  /  D
-
-where the divisor D is counted by the accumulator and summed in the same collective as the gradients:
-M, the number of microbatches actually run on all ranks; or, with ``microbatch(weight=w)``, the sum of
-all the window's weights on all ranks (back-propagate the *sum*-reduced loss and weight each microbatch
-by its number of valid tokens: the result is the gradient of the global token mean); or 1, when the loss
-terms were divided by global divisors counted ahead (:meth:`~MicrobatchAccumulator.divisors`). A
-parameter absent from a microbatch contributes zero and still counts; one absent from every microbatch on
-every rank keeps ``grad is None``. Participation is reported in the :class:`Ledger`, never a divisor.
-
-How: a post-accumulate-grad hook on every parameter (under FSDP2, on the unsharded one) moves each
-microbatch's gradient into one flat buffer, in buckets, and leaves ``.grad`` None until the window ends
-(so ``optimizer.zero_grad()`` inside a window cannot drop counted gradients). ``finish()`` sends the
-buckets, the counters travelling in the last one, divides once and hands out ``.grad`` as views of the
-buffer (under FSDP2, DTensor shards). Sums are in float32 at least (bf16 and fp16 gradients included).
-Modules: :mod:`~gradagg.torch._flat` (layout), :mod:`~gradagg.torch._buckets` (sending),
-:mod:`~gradagg.torch.ddp`, :mod:`~gradagg.torch.fsdp`.
+Each method checks its arguments and the window's phase, then calls the function of this package that does
+the work, passing the state explicitly (see :mod:`gradagg.torch.accumulate` for the contract and the map).
 """
 
 from __future__ import annotations
@@ -32,18 +14,19 @@ import torch
 
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch import _finish
-from gradagg.torch._core import AccumulatorCore
-from gradagg.torch._params import ParamSource
-from gradagg.torch._window import DIVIDED, LATE, RAISED, check_weight
+from gradagg.torch.accumulate import finish as finishing
+from gradagg.torch.accumulate import hooks, opening, terms
+from gradagg.torch.accumulate.fsdp import Mode
+from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
+from gradagg.torch.accumulate.params import ParamSource
+from gradagg.torch.accumulate.state import State, build
+from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
 from gradagg.torch.collectives import Group
-from gradagg.torch.fsdp import Mode
-from gradagg.torch.ledger import Ledger
 
 T = TypeVar("T")
 
 
-class MicrobatchAccumulator(AccumulatorCore):
+class MicrobatchAccumulator:
     """Average gradients over the microbatches actually run on all ranks, each counted exactly once.
 
     Usage, on every rank (the forward may be inside or outside the ``with``)::
@@ -61,8 +44,8 @@ class MicrobatchAccumulator(AccumulatorCore):
 
     Args:
         module_or_params: a module (its ``named_parameters()``); a ``DistributedDataParallel`` module (kept
-            in ``no_sync()`` while attached, see :mod:`gradagg.torch.ddp`); a module with ``fully_shard``
-            applied (FSDP2 or HSDP, see :mod:`gradagg.torch.fsdp`); tensors; or ``(name, tensor)`` pairs.
+            in ``no_sync()`` while attached, see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
+            applied (FSDP2 or HSDP, see :mod:`gradagg.torch.accumulate.fsdp`); tensors; or ``(name, tensor)`` pairs.
             Parameters without ``requires_grad`` are ignored (one unfrozen later is an error); a tensor
             given twice (tied weights) is one parameter.
         group: a process group, or None for the default one; with no process group at all the accumulator
@@ -72,12 +55,13 @@ class MicrobatchAccumulator(AccumulatorCore):
             ranks whose gradients were non-finite.
         fsdp: under FSDP2, ``"window"`` (default: uneven counts allowed; unsharded gradients held) or
             ``"every_microbatch"`` (FSDP reduces each microbatch; equal counts required). See
-            :mod:`gradagg.torch.fsdp`.
+            :mod:`gradagg.torch.accumulate.fsdp`.
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
 
     Raises:
         GradaggError: an invalid option; a DDP module that would broadcast buffers; an unsupported FSDP2
-            layout; DTensor parameters outside ``fully_shard``.
+            layout; DTensor parameters outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the
+            meta device.
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -98,7 +82,9 @@ class MicrobatchAccumulator(AccumulatorCore):
         fsdp: Mode = "window",
         bucket_mb: float = 25.0,
     ) -> None:
-        self._setup(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb)
+        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb)
+        hooks.install(self._state)
+        opening.open_before_forward(self._state)
 
     # --- the window ----------------------------------------------------------------------------
 
@@ -109,6 +95,10 @@ class MicrobatchAccumulator(AccumulatorCore):
         A microbatch that raises after a gradient was accumulated poisons the window (:meth:`finish` then
         raises on every rank until :meth:`discard`); one that raises before touching any gradient (e.g.
         in the forward) is not counted.
+
+        A ``.grad`` set by hand inside the ``with`` counts in this microbatch, as a backward's gradient would
+        (added to it, if a backward reached the parameter too); one set between microbatches, after the last one,
+        or on an FSDP2 shard counts in none: :meth:`finish` refuses on every rank.
 
         Args:
             weight: what this microbatch counts for in the divisor (e.g. its number of valid tokens): a
@@ -124,23 +114,25 @@ class MicrobatchAccumulator(AccumulatorCore):
             WindowError: nested microbatches; a gradient present before the window opened.
             GradaggError: a weight that is not a real number or 0-dim real tensor.
         """
-        self._check_not_closed()
-        w = self._w
-        if w.in_microbatch:
+        st = self._open_state()
+        if st.window.in_microbatch:
             raise WindowError("microbatch() entered inside another microbatch(); microbatches do not nest")
         value = None if weight is None else check_weight(weight)
-        lookahead, self._next_last = self._next_last, None
+        lookahead, st.next_last = st.next_last, None
         last = last or bool(lookahead)
-        if not w.open:
-            self._open_window()
+        if not st.window.open:
+            opening.open_window(st)
+        w = st.window
+        hooks.refuse_hand_set(st, f"before microbatch {w.m}")
         if w.last_done:
             w.fail(LATE, f"microbatch {w.m} runs after the microbatch marked last")
         w.note_weighting(value)
-        if self._fsdp is not None:
-            self._fsdp.set_all_reduce(last or lookahead is None)
+        if st.fsdp is not None:
+            st.fsdp.set_all_reduce(last or lookahead is None)
         w.in_microbatch, w.seen, w.in_last = True, set(), last
         try:
             yield
+            hooks.take_hand_set(st)
         except BaseException as exc:
             if w.seen:
                 w.fail(RAISED, f"microbatch {w.m} raised {type(exc).__name__}: {exc} after gradients were accumulated")
@@ -175,7 +167,7 @@ class MicrobatchAccumulator(AccumulatorCore):
                 upcoming, last = next(it), False
             except StopIteration:
                 last = True
-            self._next_last = last
+            self._state.next_last = last
             yield current
             if last:
                 return
@@ -203,12 +195,12 @@ class MicrobatchAccumulator(AccumulatorCore):
         >>> acc.divisors({"tokens": 7, "microbatches": 2})
         {'tokens': 7.0, 'microbatches': 2.0}
         """
-        self._check_not_closed()
-        if self._w.open or self._w.terms is not None:
+        w = self._open_state().window
+        if w.open or w.terms is not None:
             raise WindowError("divisors() must come once per window, before its first microbatch")
-        terms = _finish.count_terms(local, self._group)
-        self._w.terms_local, self._w.terms, self._w.mode = dict(_finish.local_terms(local)), terms, DIVIDED
-        return dict(terms)
+        totals = terms.count_terms(local, self._state.group)
+        w.terms_local, w.terms, w.mode = dict(terms.local_terms(local)), totals, DIVIDED
+        return dict(totals)
 
     def finish(self) -> Ledger:
         """Close the window: every ``.grad`` becomes the sum over all microbatches of all ranks / D.
@@ -224,15 +216,17 @@ class MicrobatchAccumulator(AccumulatorCore):
         Raises:
             WindowError: on every rank, when any rank's window is poisoned (a microbatch raised
                 mid-backward, a backward outside ``microbatch()``, an invalid weight, weighted and
-                unweighted microbatches mixed, a parameter unfrozen after construction) or had gradients
-                before it opened; when M = 0 or the total weight is 0; when called inside a microbatch.
+                unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
+                outside a microbatch) or had gradients before it opened; when M = 0, or the total weight is 0 or
+                beyond what the gradients' dtype can be divided by; when called inside a microbatch.
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
             CollectiveError: the ranks' parameter lists differ; a collective failed or timed out.
+            GradaggError: bare tensors that cannot be told apart across ranks (every rank).
         """
-        self._check_not_closed()
-        if self._w.in_microbatch:
+        st = self._open_state()
+        if st.window.in_microbatch:
             raise WindowError("finish() called inside microbatch(); finish after the last microbatch's with-block")
-        return _finish.finish(self)
+        return finishing.finish(st)
 
     def discard(self) -> None:
         """Drop the window: every gradient back to None, counters to zero. Local; call it on every rank.
@@ -241,11 +235,7 @@ class MicrobatchAccumulator(AccumulatorCore):
         >>> acc.discard(); acc.ledger.microbatches_local
         0
         """
-        for t in [*self._tensors, *self._unsharded.values()]:
-            t.grad = None
-        if self._fsdp is not None and self._w.open:
-            self._fsdp.reshard()
-        self._reset()
+        finishing.discard(self._state)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
         """Run :meth:`finish` from ``optimizer``'s step pre-hook, for loops a framework owns.
@@ -263,32 +253,45 @@ class MicrobatchAccumulator(AccumulatorCore):
             self.finish()
 
         handle = optimizer.register_step_pre_hook(finish_first)
-        self._extra_hooks.append(handle)
+        self._state.extra_hooks.append(handle)
         return handle
 
     def close(self) -> None:
         """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable."""
-        self._closed = True
-        for _, h in self._hooked.values():
+        st = self._state
+        st.closed = True
+        for _, h in st.hooked.values():
             h.remove()
-        for h in self._extra_hooks:
+        for h in st.extra_hooks:
             h.remove()
-        self._hooked, self._extra_hooks = {}, []
-        if self._ddp is not None:
-            self._ddp.release()
-        if self._fsdp is not None:
-            self._fsdp.restore()
+        st.hooked, st.extra_hooks = {}, []
+        if st.ddp is not None:
+            st.ddp.release()
+        if st.fsdp is not None:
+            st.fsdp.restore()
 
     @property
     def ledger(self) -> Ledger:
         """The current window's counts (global counts after :meth:`finish`), or the last finished window's."""
-        if self._last is not None and not self._w.open:
-            return self._last
-        return _finish.local_ledger(self)
+        st = self._state
+        if st.last is not None and not st.window.open:
+            return st.last
+        return finishing.local_ledger(st)
+
+    @property
+    def state(self) -> State:
+        """The accumulator's :class:`~gradagg.torch.accumulate.state.State`, for tools, tests and integrations to
+        read (is a window open? its layout, its buckets); changing it by hand is unsupported."""
+        return self._state
 
     def report(self) -> str:
         """The ledger as readable text (see :meth:`Ledger.report`)."""
         return self.ledger.report()
 
+    def _open_state(self) -> State:
+        if self._state.closed:
+            raise WindowError("this accumulator was closed (its hooks are gone); create a new one")
+        return self._state
 
-__all__ = ["Ledger", "MicrobatchAccumulator"]
+
+__all__ = ["MicrobatchAccumulator"]

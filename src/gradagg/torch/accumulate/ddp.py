@@ -28,7 +28,11 @@ class DdpHold:
         ddp: the wrapped module.
 
     Raises:
-        GradaggError: the module has buffers and DDP would broadcast them at a forward. Under ``no_sync``
+        GradaggError: ``static_graph=True``: DDP's static graph records which parameters the first
+            iterations reduce and asserts that later ones match, which ``no_sync()`` breaks (a PyTorch
+            INTERNAL ASSERT in the backward); gradagg reduces the gradients itself, so DDP's static graph
+            buys nothing here: construct DDP without it. The module has buffers and DDP would broadcast them
+            at a forward. Under ``no_sync``
             DDP still broadcasts buffers at the first forward after construction; with uneven counts (a
             rank running no microbatch) that broadcast would meet a different collective on the other
             ranks. gradagg does not synchronise buffers: construct DDP with ``broadcast_buffers=False``
@@ -36,6 +40,12 @@ class DdpHold:
     """
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
+        if getattr(ddp, "static_graph", False):  # a public attribute, set by DDP(static_graph=True)
+            raise GradaggError(
+                "DistributedDataParallel(static_graph=True) cannot run under no_sync(), where gradagg keeps it "
+                "(PyTorch fails an internal assert in the backward); construct it without static_graph: gradagg "
+                "reduces the gradients itself, so DDP's static-graph optimisations have nothing to do"
+            )
         if _syncs_buffers(ddp) and any(True for _ in ddp.module.buffers()):
             names = [n for n, _ in ddp.module.named_buffers()][:3]
             raise GradaggError(

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NONE, UNWEIGHTED, WEIGHTED, DIVIDED = range(4)
+"""How a rank's window was counted: the code that travels in the window's collective."""
 WEIGHTING = ("none", "unweighted", "weighted", "divided ahead")
-"""How a rank's window was counted, indexed by the code that travels in the collective."""
+"""The name of each weighting code (``WEIGHTING[WEIGHTED] == "weighted"``): what the :class:`Ledger` reports."""
 
 
 @dataclass(frozen=True)
@@ -96,4 +98,4 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-__all__ = ["WEIGHTING", "Ledger"]
+__all__ = ["DIVIDED", "NONE", "UNWEIGHTED", "WEIGHTED", "WEIGHTING", "Ledger"]

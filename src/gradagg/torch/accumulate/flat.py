@@ -18,15 +18,21 @@ and every rank receives their sum. Complex gradients are stored as their real vi
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from gradagg.torch._buffers import ReusableBuffer
+from gradagg.torch.buffers import ReusableBuffer
 
 Kind = Literal["all_reduce", "reduce_scatter", "external"]  # external: counted here, reduced elsewhere
-_FIELDS = ("m", "weight_hi", "weight_lo", "status", "mode", "nonfinite")  # one slot per rank each
+# One slot per rank each. A rank's total weight travels as the four 16-bit pieces of its float64 bits: whole
+# numbers below 2**16 are exact in any buffer dtype (float32 at least), and in a rank's own slot every other
+# rank adds 0, so the float64 arrives bit for bit whatever the model's dtype (a float32 slot would turn
+# weight=1e39 into inf).
+_WEIGHT_PIECES = tuple(f"weight_{k}" for k in range(4))
+_FIELDS = ("m", *_WEIGHT_PIECES, "status", "mode", "nonfinite")
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ class Counts:
     Attributes:
         participation: per parameter, microbatches with a gradient, summed over ranks.
         per_rank: M of each rank.
-        weights: each rank's total weight (exact to about 2**-48 relative, whatever the buffer dtype).
+        weights: each rank's total weight, the float64 it sent, bit for bit (whatever the buffer dtype).
         status: each rank's status code (0: fine).
         modes: each rank's weighting code (see ``ledger.WEIGHTING``).
         nonfinite: ranks whose local gradient sums were not finite (checked only with ``nonfinite="raise"``).
@@ -292,8 +298,9 @@ class FlatLayout:
     def local_counters(self, participation: list[int], m: int, weight: float, status: int, mode: int) -> list[float]:
         """This rank's counter values: participation, then its own slot of each per-rank field (others zero)."""
         values = [float(p) for p in participation] + [0.0] * (len(_FIELDS) * self.world)
-        hi = float(torch.tensor(weight, dtype=torch.float64).to(self.dtype))  # exact split into two values
-        for name, v in (("m", m), ("weight_hi", hi), ("weight_lo", weight - hi), ("status", status), ("mode", mode)):
+        bits = struct.unpack("<Q", struct.pack("<d", weight))[0]
+        pieces = [(name, (bits >> (16 * k)) & 0xFFFF) for k, name in enumerate(_WEIGHT_PIECES)]
+        for name, v in (("m", m), *pieces, ("status", status), ("mode", mode)):
             values[self._pos(name) + self.rank] = float(v)
         return values
 
@@ -308,7 +315,7 @@ class FlatLayout:
         return Counts(
             participation=[round(v) for v in meta[: self.n_params]],
             per_rank=[round(v) for v in field("m")],
-            weights=[h + lo for h, lo in zip(field("weight_hi"), field("weight_lo"))],
+            weights=[_weight(pieces) for pieces in zip(*(field(name) for name in _WEIGHT_PIECES))],
             status=[round(v) for v in field("status")],
             modes=[round(v) for v in field("mode")],
             nonfinite=[r for r, v in enumerate(field("nonfinite")) if v != 0],
@@ -316,6 +323,12 @@ class FlatLayout:
 
     def _pos(self, name: str) -> int:
         return self.n_params + _FIELDS.index(name) * self.world
+
+
+def _weight(pieces: tuple[float, ...]) -> float:
+    """A rank's float64 total weight from its four 16-bit pieces (see ``_FIELDS``)."""
+    bits = sum(round(v) << (16 * k) for k, v in enumerate(pieces))
+    return float(struct.unpack("<d", struct.pack("<Q", bits))[0])
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from gradagg.errors import GradaggError
+from gradagg.torch.placements import is_dtensor
 
 Mode = Literal["window", "every_microbatch"]
 MODES: tuple[str, ...] = ("window", "every_microbatch")
@@ -148,14 +149,14 @@ class FsdpParams:
         for m in self.modules:
             m.unshard()
             for name, t in m.named_parameters(prefix=self._prefixes[id(m)]):
-                if not _is_dtensor(t):  # its own parameters; nested FSDP modules' are still shards
+                if not is_dtensor(t):  # its own parameters; nested FSDP modules' are still shards
                     now.setdefault(name, t)
             if self.mode == "every_microbatch":
                 m.reshard()
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.names, self.params):
             t = now.get(name)
-            if t is None or _is_dtensor(t):
+            if t is None or is_dtensor(t):
                 raise GradaggError(
                     f"parameter {name!r} ({_where(p)}) is still a DTensor after every FSDP module unsharded: no "
                     "fully_shard manages it (registered after fully_shard, or made by distribute_tensor or tensor "
@@ -177,7 +178,7 @@ class FsdpParams:
         Never deferred when FSDP computes in bf16 or fp16: FSDP would add the deferred microbatches' shards in
         its reduce dtype, which may be that same low precision (``reduce_dtype=None``; no public API tells), and
         256 + 1 rounds to 256 in bf16. All-reduced every microbatch, each lands in the float32 sum of
-        :meth:`AccumulatorCore._on_shard`.
+        :func:`gradagg.torch.accumulate.shards.on_shard`.
         """
         if self.mode == "every_microbatch" and self.replicate_group is not None:
             for m in self.modules:
@@ -215,14 +216,4 @@ def _where(p: torch.Tensor) -> str:
     """A DTensor's placements and mesh, for messages."""
     return f"placements {tuple(p.placements)} on {p.device_mesh}"  # type: ignore[attr-defined]
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    import sys
-
-    mod = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor can exist
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
-is_dtensor = _is_dtensor
-
-__all__ = ["MODES", "FsdpParams", "Mode", "is_dtensor", "low_precision"]
+__all__ = ["MODES", "FsdpParams", "Mode", "low_precision"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradagg.torch._flat import FlatLayout, all_finite
+from gradagg.torch.accumulate.flat import FlatLayout, all_finite
 from gradagg.torch.collectives import Group, Pending, all_reduce_sum_async, reduce_scatter_sum_async
 
 

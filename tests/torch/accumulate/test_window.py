@@ -6,8 +6,10 @@ these checks are in test_training.py.
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator, count_collectives
@@ -123,7 +125,7 @@ def test_lookahead_and_many_buckets_match() -> None:
             with acc.microbatch():
                 w.loss_of(model, batch).backward()
         acc.finish()
-    assert len(acc._layout_now().buckets) > 2 and c.total == 0
+    assert len(acc.state.layout().buckets) > 2 and c.total == 0
     assert w.max_error(w.grads_of(model), w.full_batch_grads(batches)) <= TOL
 
 
@@ -243,3 +245,89 @@ def test_reused_buffer_holds_nothing_stale() -> None:
     w.accumulate(model, only_expert_0, acc=acc)
     assert model.experts[1].weight.grad is None
     assert w.max_error(w.grads_of(model), w.full_batch_grads(only_expert_0)) <= TOL
+
+
+# --- a .grad set by hand (issue 16) ------------------------------------------------------------------------
+
+ACTIONS = st.sampled_from(["none", "before", "after"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=st.lists(st.tuples(ACTIONS, st.booleans(), ACTIONS, st.booleans()), min_size=1, max_size=4))
+def test_hand_set_grads_count_in_their_microbatch(plan: list[tuple[str, bool, str, bool]]) -> None:
+    """Microbatch k, for each of two parameters: a backward reaches it or not (gradient k + 1), and a .grad is
+    set by hand to 10 (k + 1) before the backward, after it, or not at all. Each counts in microbatch k,
+    added to the backward's: the mean is sum_k (reached (k + 1) + set 10 (k + 1)) / M; absent everywhere: None."""
+    a, b = (torch.zeros(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    acc = MicrobatchAccumulator([("a", a), ("b", b)])
+    want = [0.0, 0.0]
+    present = [False, False]
+    for k, (act_a, reach_a, act_b, reach_b) in enumerate(plan):
+        with acc.microbatch():
+            for p, act in ((a, act_a), (b, act_b)):
+                if act == "before":
+                    p.grad = torch.full_like(p, 10.0 * (k + 1))
+            loss = sum(p.sum() * (k + 1) for p, reach in ((a, reach_a), (b, reach_b)) if reach)
+            if isinstance(loss, torch.Tensor):
+                loss.backward()
+            for p, act in ((a, act_a), (b, act_b)):
+                if act == "after":
+                    p.grad = torch.full_like(p, 10.0 * (k + 1))
+        for j, (act, reach) in enumerate(((act_a, reach_a), (act_b, reach_b))):
+            want[j] += (k + 1) * reach + 10.0 * (k + 1) * (act != "none")
+            present[j] = present[j] or reach or act != "none"
+    acc.finish()
+    for j, p in enumerate((a, b)):
+        if not present[j]:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and torch.allclose(p.grad, torch.full_like(p, want[j] / len(plan)), rtol=1e-15)
+
+
+def test_hand_set_between_microbatches_or_after_the_last_is_refused() -> None:
+    """Set between two microbatches, or after the last one: no microbatch counts it, finish() refuses (WindowError
+    naming the parameter) until discard()."""
+    for where in ("between", "after"):
+        p = torch.zeros(2, requires_grad=True)
+        acc = MicrobatchAccumulator([("p", p)])
+        for k in range(2):
+            with acc.microbatch():
+                p.sum().backward()
+            if (where == "between" and k == 0) or (where == "after" and k == 1):
+                p.grad = torch.ones_like(p)
+        with pytest.raises(WindowError, match="'p' has a .grad set by hand"):
+            acc.finish()
+        acc.discard()
+
+
+def test_hand_set_after_its_bucket_left_is_refused() -> None:
+    """In the microbatch marked last, buckets leave during the backward: a .grad set afterwards on a parameter
+    whose bucket already left cannot be added; finish() refuses instead of dropping it."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    acc = MicrobatchAccumulator(model, bucket_mb=1e-3)  # one bucket per parameter
+    for x in acc.microbatches([torch.ones(1, 64)] * 2):
+        with acc.microbatch():
+            model(x).sum().backward()
+            model[1].weight.grad = torch.ones_like(model[1].weight)  # its bucket left first
+    with pytest.raises(WindowError, match="after its bucket was sent"):
+        acc.finish()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64]),
+    seed=st.integers(0, 2**16),
+)
+def test_fingerprint_reads_values_not_layout(shape: list[int], dtype: torch.dtype, seed: int) -> None:
+    """The digest that tells bare tensors apart across ranks: equal for equal values whatever the strides (a
+    transposed copy, a clone), different when one element changes (its lowest bit flipped)."""
+    from gradagg.torch.accumulate.opening import fingerprint
+
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.rand(shape, generator=g) * 100).to(dtype)
+    strided = t.transpose(0, -1).contiguous().transpose(0, -1)  # the same values, other strides
+    assert fingerprint(t) == fingerprint(t.clone()) == fingerprint(strided)
+    flipped = t.clone().reshape(-1)
+    flipped.view(torch.uint8)[0] ^= 1
+    assert fingerprint(flipped.reshape(t.shape)) != fingerprint(t)

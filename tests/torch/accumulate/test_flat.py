@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import given, settings
 
-from gradagg.torch._flat import FlatLayout, ParamSpec
+from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec
 
 SHAPES = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 DTYPES = st.sampled_from([torch.float32, torch.float64, torch.complex64])

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from gradagg.errors import GradaggError
-from gradagg.torch.fsdp import is_dtensor
+from gradagg.torch.placements import is_dtensor
 
 ParamSource = torch.nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -24,6 +24,7 @@ class Params:
         module: the module they came from (None for tensors), re-read to notice changes.
         ddp: the DDP wrapper, if the source was one.
         frozen: parameters seen without ``requires_grad`` (a tensor source), to notice one unfrozen later.
+        unnamed: indices of the parameters given as bare tensors (named ``param[k]`` by their position).
     """
 
     names: list[str]
@@ -31,6 +32,7 @@ class Params:
     module: torch.nn.Module | None = None
     ddp: DistributedDataParallel | None = None
     frozen: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    unnamed: set[int] = field(default_factory=set)
 
     @classmethod
     def collect(cls, source: ParamSource) -> Params:
@@ -53,6 +55,8 @@ class Params:
                 continue
             seen.add(id(t))
             if t.requires_grad:
+                if isinstance(item, torch.Tensor):
+                    out.unnamed.add(len(out.tensors))
                 out.names.append(name)
                 out.tensors.append(t)
             else:

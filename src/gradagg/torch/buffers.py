@@ -1,13 +1,13 @@
 """A flat buffer that is reused only when nobody still looks at the previous one.
 
-Large fresh allocations are not free: a new 40 MB CPU buffer is page-faulted in
-on first touch (about 120 ms on the 2-core benchmark machine, more than the
-all_reduce it feeds). The accumulator and owner_reduce hand out *views* of
-their flat buffer (as ``.grad`` or as results), so reusing it blindly would
-overwrite gradients a caller still holds. This class reuses the buffer only
-when no tensor other than its own still shares the storage (the caller dropped
-every view: ``zero_grad(set_to_none=True)``, results gone out of scope), and
-otherwise allocates a new one: never wrong, fast in the usual training loop.
+Large fresh allocations are not free: a new CPU buffer of tens of megabytes is
+page-faulted in on first touch, which can cost more than the all_reduce it
+feeds. The accumulator and owner_reduce hand out *views* of their flat buffer
+(as ``.grad`` or as results), so reusing it blindly would overwrite gradients a
+caller still holds. This class reuses the buffer only when no tensor other than
+its own still shares the storage (the caller dropped every view:
+``zero_grad(set_to_none=True)``, results gone out of scope), and otherwise
+allocates a new one: never wrong, fast in the usual training loop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""One accumulation window's local state: counts, weights, participation, and why it cannot be finished.
+"""One accumulation window on this rank: counts, weights, participation, its buffers, and why it cannot be finished.
 
 Everything that must make *every* rank refuse travels as a status code in the window's collective
-(see :mod:`gradagg.torch._flat`); the text here explains it on the rank where it happened.
+(see :mod:`gradagg.torch.accumulate.flat`); the text here explains it on the rank where it happened.
 """
 
 from __future__ import annotations
@@ -9,12 +9,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Real
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from gradagg.errors import GradaggError
+from gradagg.torch.accumulate.ledger import DIVIDED, NONE, UNWEIGHTED, WEIGHTED
 
-OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT = range(10)
+if TYPE_CHECKING:
+    from gradagg.torch.accumulate.buckets import Sender
+
+OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET = range(11)
 STATUS_TEXT = {
     RAISED: "poisoned (a microbatch raised after gradients were accumulated)",
     OUTSIDE: "poisoned (a backward ran outside microbatch(): not counted in M)",
@@ -25,14 +30,17 @@ STATUS_TEXT = {
     UNSUPPORTED: "got a gradient the accumulator cannot hold (sparse)",
     PEER: "refused an earlier finish() of this window (another rank failed in it)",
     KEPT: "let FSDP sum microbatches into a bf16 or fp16 .grad (fsdp='every_microbatch')",
+    HAND_SET: "had a .grad set by hand where no microbatch can count it (between microbatches, or on a shard)",
 }
-NONE, UNWEIGHTED, WEIGHTED, DIVIDED = range(4)  # weighting codes, the indices of ledger.WEIGHTING
 
 Weight = float | torch.Tensor
 
 
 def check_weight(weight: object) -> Weight:
-    """A microbatch weight as given: a non-negative real number or 0-dim real tensor (its value is checked later).
+    """A microbatch weight as given: a real number or 0-dim real tensor (its value is checked later, on every rank).
+
+    A value that cannot count (negative, NaN, infinite, beyond float64, a tensor on the meta device, which has
+    no value) is not refused here: :func:`weight_problem` names it and ``finish()`` refuses on every rank.
 
     Raises:
         GradaggError: a bool, a string, a complex number, a tensor with more than one element, ...
@@ -54,22 +62,55 @@ def check_weight(weight: object) -> Weight:
         raise GradaggError(
             f"a microbatch weight must be a real number or a 0-dim tensor, got {type(weight).__name__} {weight!r}"
         )
-    return float(weight)
+    try:
+        return float(weight)
+    except OverflowError:  # an int (or Fraction) beyond float64: refused on every rank by weight_problem
+        return math.inf if cast(float, weight) > 0 else -math.inf
 
 
 def weight_values(weights: list[Weight]) -> list[float]:
-    """The weights as Python floats (tensors read in one transfer)."""
-    tensors = [w for w in weights if isinstance(w, torch.Tensor)]
+    """The weights as Python floats (tensors read in one transfer; one on the meta device reads as NaN).
+
+    >>> weight_values([2.0, torch.tensor(3, dtype=torch.int8), torch.tensor(1.0, device="meta")])
+    [2.0, 3.0, nan]
+    """
+    tensors = [w for w in weights if isinstance(w, torch.Tensor) and not w.is_meta]
     read = iter(torch.stack([t.double().cpu() for t in tensors]).tolist() if tensors else [])
-    return [next(read) if isinstance(w, torch.Tensor) else w for w in weights]
+    return [(math.nan if w.is_meta else next(read)) if isinstance(w, torch.Tensor) else w for w in weights]
 
 
-def weight_problem(values: list[float]) -> str | None:
-    """The first weight that cannot count (negative, NaN, infinite), named by its microbatch."""
-    for k, v in enumerate(values):
+def weight_problem(weights: list[Weight], values: list[float]) -> str | None:
+    """The first weight that cannot count, named by its microbatch; or a sum of weights beyond float64.
+
+    >>> weight_problem([1.0, -2.0], [1.0, -2.0])
+    'microbatch 1 has weight -2.0: a weight must be finite and non-negative'
+    """
+    for k, (w, v) in enumerate(zip(weights, values)):
+        if isinstance(w, torch.Tensor) and w.is_meta:
+            return f"microbatch {k} has a weight tensor on the meta device, which holds no value to count"
         if not math.isfinite(v) or v < 0:
             return f"microbatch {k} has weight {v}: a weight must be finite and non-negative"
+    if not math.isfinite(weight_sum(values)):
+        return f"the {len(values)} weights of this rank's window sum beyond float64 (more than {_FLOAT64_MAX:.3e})"
     return None
+
+
+_FLOAT64_MAX = 1.7976931348623157e308
+
+
+def weight_sum(values: list[float]) -> float:
+    """The exact sum of ``values`` rounded once (``math.fsum``), never an exception: infinite where it leaves
+    float64, NaN for ``inf + -inf`` (such weights were already named by :func:`weight_problem`).
+
+    >>> weight_sum([1e308, 1e308]), weight_sum([math.inf, -math.inf])
+    (inf, nan)
+    """
+    try:
+        return math.fsum(values)
+    except OverflowError:  # the exact sum of finite values leaves float64
+        return math.inf
+    except ValueError:  # fsum refuses inf + -inf
+        return math.nan
 
 
 @dataclass
@@ -91,6 +132,11 @@ class Window:
     poison: str | None = None
     terms_local: dict[str, float] | None = None
     terms: dict[str, float] | None = None
+    # the window's buffers, set when it opens (see gradagg.torch.accumulate.opening)
+    flat: torch.Tensor | None = None  # the input buffer: every gradient and the counters
+    out: torch.Tensor | None = None  # where reduce-scatter segments land (FSDP2)
+    sender: Sender | None = None
+    shard_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # every_microbatch: FSDP's shards, summed
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params
@@ -124,4 +170,4 @@ class Window:
             self.weights.append(weight)
 
 
-__all__ = ["STATUS_TEXT", "Window", "check_weight", "weight_problem", "weight_values"]
+__all__ = ["STATUS_TEXT", "Window", "check_weight", "weight_problem", "weight_sum", "weight_values"]

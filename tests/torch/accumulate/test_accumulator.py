@@ -13,7 +13,7 @@ from gradagg.reference import microbatch_mean
 from gradagg.torch import MicrobatchAccumulator, count_collectives
 from tests.torch.workers import dist as w
 
-# float64; sums of <= 8 microbatch gradients in another order than the full batch: see test_torch_distributed.
+# float64; sums of <= 8 microbatch gradients in another order than the full batch: see tests/torch/test_distributed.py.
 TOL = 1e-12
 
 

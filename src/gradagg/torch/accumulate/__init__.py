@@ -1,0 +1,41 @@
+"""Exactly-once microbatch accumulation over torch.distributed: :class:`MicrobatchAccumulator`, one package.
+
+Contract (the distributed form of :func:`gradagg.reference.microbatch_mean`): after
+:meth:`MicrobatchAccumulator.finish`, every parameter's ``.grad`` is
+
+    sum over all microbatches on all ranks of its gradient  /  D
+
+where the divisor D is counted by the accumulator and summed in the same collective as the gradients:
+M, the number of microbatches actually run on all ranks; or, with ``microbatch(weight=w)``, the sum of
+all the window's weights on all ranks (back-propagate the *sum*-reduced loss and weight each microbatch
+by its number of valid tokens: the result is the gradient of the global token mean); or 1, when the loss
+terms were divided by global divisors counted ahead (:meth:`~MicrobatchAccumulator.divisors`). A
+parameter absent from a microbatch contributes zero and still counts; one absent from every microbatch on
+every rank keeps ``grad is None``. Participation is reported in the :class:`Ledger`, never a divisor.
+
+How: a post-accumulate-grad hook on every parameter (under FSDP2, on the unsharded one) moves each
+microbatch's gradient into one flat buffer, in buckets, and leaves ``.grad`` None until the window ends
+(so ``optimizer.zero_grad()`` inside a window cannot drop counted gradients). ``finish()`` sends the
+buckets, the counters travelling in the last one, divides once and hands out ``.grad`` as views of the
+buffer (under FSDP2, DTensor shards). Sums are in float32 at least (bf16 and fp16 gradients included).
+
+The modules, by composition around one :class:`~.state.State` passed explicitly (none reads another's
+private attributes); each imports only those listed before it:
+
+* :mod:`.ledger` (the report and the weighting codes), :mod:`.window` (one window's counters and buffers),
+  :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
+  :mod:`.ddp` and :mod:`.fsdp` (the wrappers' own synchronisation held off);
+* :mod:`.state` (the one object), :mod:`.shards` (FSDP2's every_microbatch sums), :mod:`.hooks` (gradients
+  into the buffer), :mod:`.opening` (a window opens), :mod:`.terms` (divisors counted ahead),
+  :mod:`.finish` (a window closes);
+* :mod:`.accumulator`: the public class, a thin shell over the state.
+
+Its slow, obviously right twin is :class:`gradagg.torch.pure.PureAccumulator`; the tests compare them.
+"""
+
+from __future__ import annotations
+
+from gradagg.torch.accumulate.accumulator import MicrobatchAccumulator
+from gradagg.torch.accumulate.ledger import Ledger
+
+__all__ = ["Ledger", "MicrobatchAccumulator"]

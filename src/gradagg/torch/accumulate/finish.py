@@ -1,0 +1,210 @@
+"""The end of an accumulation window: send, check on every rank, divide once, hand out the gradients.
+
+The one long sequence of the accumulator; each step is a small function of the :class:`~.state.State`.
+Every decision below is taken from the *reduced* counters, which are the same on every rank, so every
+rank raises, or succeeds, together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradagg.errors import NonFiniteGradientError, WindowError
+from gradagg.torch.accumulate import hooks, opening, shards
+from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
+from gradagg.torch.accumulate.ledger import DIVIDED, NONE, WEIGHTED, WEIGHTING, Ledger
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.window import (
+    KEPT,
+    OK,
+    PEER,
+    STALE,
+    STATUS_TEXT,
+    WEIGHT,
+    Window,
+    weight_problem,
+    weight_sum,
+    weight_values,
+)
+from gradagg.torch.collectives import get_rank, get_world_size
+from gradagg.torch.placements import dtype_name, local_tensor
+
+
+def finish(state: State) -> Ledger:
+    """:meth:`MicrobatchAccumulator.finish` after its argument checks (see there)."""
+    _prepare(state)
+    counts = _exchange(state)
+    _raise_if_any_failed(state, counts)
+    m = sum(counts.per_rank)
+    if m == 0:
+        discard(state)
+        raise WindowError("finish() with no microbatch run on any rank (M = 0): there is no mean to take")
+    mode = max(counts.modes)
+    divisor = _divisor(state, mode, m, counts)
+    w = state.window
+    if divisor != 1 and w.flat is not None:
+        state.layout().divide(w.flat, w.out, divisor)
+    _install(state, counts, divisor)
+    if state.fsdp is not None:
+        state.fsdp.reshard()
+    ledger = local_ledger(state, counts, divisor, mode)
+    _close_window(state, ledger)
+    if counts.nonfinite:
+        names = [n for n, t in zip(state.names, state.tensors) if t.grad is not None and not bool(all_finite(t.grad))]
+        raise NonFiniteGradientError(
+            f"rank {get_rank(state.group)}: non-finite gradients on rank(s) {counts.nonfinite}, in {names} after the "
+            "reduction; every rank raises, with the same reduced (non-finite) gradients in .grad: zero them and skip "
+            "this step"
+        )
+    return ledger
+
+
+def discard(state: State) -> None:
+    """Drop the window: every gradient back to None, counters to zero (see ``MicrobatchAccumulator.discard``)."""
+    for t in [*state.tensors, *state.unsharded.values()]:
+        t.grad = None
+    if state.fsdp is not None and state.window.open:
+        state.fsdp.reshard()
+    state.new_window()
+
+
+def _prepare(state: State) -> None:
+    """Open the window of a rank that ran no microbatch; record what only now can be checked."""
+    w = state.window
+    if not w.open:
+        stale = opening.stale_param(state)
+        opening.open_window(state, empty=True)
+        if stale is not None:
+            w.fail(STALE, f"parameter {stale!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
+    else:
+        hooks.refuse_hand_set(state, "after the window's last microbatch")
+        opening.check_params(state)
+        kept = shards.kept_by_fsdp(state)
+        if kept is not None:
+            w.fail(KEPT, kept)
+    problem = weight_problem(w.weights, weight_values(w.weights))
+    if problem is not None:
+        w.fail(WEIGHT, problem)
+
+
+def _exchange(state: State) -> Counts:
+    """Send every bucket that has not left yet, the counters with the last; wait; read the counters."""
+    w, layout, sender = state.window, state.layout(), state.window.sender
+    if sender is None or w.flat is None:
+        raise RuntimeError("internal error: an open window without its buffer")
+    if sender.finite is not None:
+        for i in _external(state):
+            g = state.tensors[i].grad
+            if g is not None:
+                sender.finite &= all_finite(local_tensor(g))
+        for total in w.shard_sums.values():
+            sender.finite &= all_finite(total)
+    weight = weight_sum(weight_values(w.weights))  # a weight that cannot count already set w.status
+    sender.flush(layout.local_counters(w.participation, w.m, weight, w.status, w.mode))
+    sender.wait()
+    return layout.read_counters(w.flat, w.out)
+
+
+def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
+    """D from the reduced counters (the same on every rank): M, the total weight, or 1.
+
+    Raises:
+        WindowError: a total weight of 0, beyond float64, or outside what the buffer's dtype can divide by
+            (a float32 buffer cannot hold D = 1e39: every gradient would become 0 or NaN).
+    """
+    if mode == DIVIDED:
+        return 1
+    if mode != WEIGHTED:
+        return m
+    divisor = weight_sum(counts.weights)
+    dtype = state.layout().dtype
+    finfo = torch.finfo(dtype)
+    why = None
+    if divisor == 0:
+        why = f"the total weight of the window is 0 over {m} microbatches: there is no mean to take"
+    elif not divisor <= finfo.max:
+        why = f"the total weight of the window, {divisor!r}, is beyond what {dtype_name(dtype)} sums can be divided by"
+    elif divisor < finfo.tiny:
+        why = f"the total weight of the window, {divisor!r}, is below the smallest normal {dtype_name(dtype)}"
+    if why is not None:
+        discard(state)
+        raise WindowError(f"{why} (per rank: {counts.weights})")
+    return divisor
+
+
+def _raise_if_any_failed(state: State, counts: Counts) -> None:
+    rank = get_rank(state.group)
+    bad = {r: STATUS_TEXT.get(s, f"failed (status {s})") for r, s in enumerate(counts.status) if s != OK}
+    used = {mo for mo in counts.modes if mo != NONE}
+    if len(used) > 1:
+        how = "; ".join(f"rank {r} {WEIGHTING[mo]}" for r, mo in enumerate(counts.modes) if mo != NONE)
+        bad.setdefault(-1, f"ranks counted their microbatches differently ({how})")
+    if not bad:
+        return
+    w = state.window
+    mine = f" (here: {w.poison})" if w.poison else ""
+    w.fail(PEER, f"rank(s) {sorted(r for r in bad if r >= 0)} failed in the window")
+    w.open = True  # stays refused on every rank until discard()
+    reasons = "; ".join(why if r < 0 else f"rank {r} {why}" for r, why in sorted(bad.items()))
+    raise WindowError(f"rank {rank}: finish() refused on every rank: {reasons}{mine}; call discard() on every rank")
+
+
+def _install(state: State, counts: Counts, divisor: float) -> None:
+    """Hand out the reduced gradients: views of the buffer, DTensor shards, or FSDP's shards summed and divided."""
+    layout, w = state.layout(), state.window
+    external = set(_external(state))
+    for i, t in enumerate(state.tensors):
+        if i in state.unsharded:
+            state.unsharded[i].grad = None
+        if counts.participation[i] == 0:
+            t.grad = None  # absent from every microbatch of every rank
+        elif i in external:
+            t.grad = shards.shard_mean(state, i, t, divisor)
+        elif layout.buckets[layout.slots[i].bucket].kind == "reduce_scatter" and w.out is not None and state.fsdp:
+            t.grad = state.fsdp.sharded_grad(t, layout.local_view(w.out, i))
+        elif w.flat is not None:
+            view = layout.full_view(w.flat, i)
+            same = layout.dtype == real_dtype(t.dtype) and t.device == layout.device
+            t.grad = view if same else view.to(device=t.device, dtype=t.dtype)
+
+
+def _external(state: State) -> list[int]:
+    return [i for i, s in enumerate(state.layout().slots) if s.bucket < 0]
+
+
+def _close_window(state: State, ledger: Ledger) -> None:
+    only_shards = all(b.kind != "all_reduce" for b in state.layout().buckets)
+    state.new_window()  # counters to zero: a second finish() cannot divide the same sums twice
+    state.last = ledger
+    if only_shards:
+        state.pools[0].release()  # FSDP2: the unsharded gradient buffer is not kept between windows
+
+
+def local_ledger(
+    state: State, counts: Counts | None = None, divisor: float | None = None, mode: int | None = None
+) -> Ledger:
+    """The window's ledger: local counts, and the global ones once ``counts`` came back."""
+    w: Window = state.window
+    mode = w.mode if mode is None else mode
+    weighted = mode == WEIGHTED
+    mine = weight_sum(weight_values(w.weights)) if w.mode == WEIGHTED else None
+    names = state.names
+    return Ledger(
+        rank=get_rank(state.group),
+        world_size=get_world_size(state.group),
+        microbatches_local=w.m,
+        microbatches_global=None if counts is None else sum(counts.per_rank),
+        microbatches_per_rank=None if counts is None else tuple(counts.per_rank),
+        divisor=divisor,
+        participation_local=dict(zip(names, w.participation)),
+        participation_global=None if counts is None else dict(zip(names, counts.participation)),
+        weighting=WEIGHTING[mode],
+        weight_local=mine if mine is not None or not weighted else 0.0,
+        weight_per_rank=tuple(counts.weights) if counts is not None and weighted else None,
+        weight_global=divisor if weighted else None,
+        terms_local=w.terms_local,
+        terms=w.terms,
+    )
+
+
+__all__ = ["discard", "finish", "local_ledger"]

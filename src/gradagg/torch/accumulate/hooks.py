@@ -1,0 +1,105 @@
+"""The hooks: each microbatch's gradient moved into the window's flat buffer, ``.grad`` left None.
+
+The heart of the accumulator: after autograd accumulated a microbatch's gradient into ``param.grad``, a
+post-accumulate-grad hook (public ``Tensor.register_post_accumulate_grad_hook``) adds it into the buffer and
+sets ``param.grad = None``, so nothing outside the accumulator (``zero_grad()``, a clip) can change a
+counted gradient during the window, and under FSDP2 the unsharded gradient never reaches FSDP. A ``.grad``
+the user sets by hand inside a microbatch is taken the same way when the microbatch ends
+(:func:`take_hand_set`): it counts in that microbatch, as it would in a plain loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from gradagg.torch.accumulate import shards
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.window import HAND_SET, LATE, OUTSIDE, UNSUPPORTED
+
+OnGrad = Callable[[State, int, torch.Tensor], None]
+
+
+def install(state: State) -> None:
+    """Hook every parameter (under FSDP2: the sharded ones only in every_microbatch form, see :mod:`.fsdp`)."""
+    for i, t in enumerate(state.tensors):
+        if i not in state.sharded:
+            hook(state, t, i, on_grad)
+        elif state.every_microbatch():
+            hook(state, t, i, shards.on_shard)  # FSDP calls it with each microbatch's reduced shard
+
+
+def hook(state: State, t: torch.Tensor, i: int, on: OnGrad) -> None:
+    """Register ``on(state, i, t)`` as ``t``'s post-accumulate-grad hook (once per tensor)."""
+    if id(t) in state.hooked:
+        return
+
+    def after_accumulate(param: torch.Tensor) -> None:
+        on(state, i, param)
+
+    state.hooked[id(t)] = (t, t.register_post_accumulate_grad_hook(after_accumulate))  # type: ignore[no-untyped-call]
+
+
+def on_grad(state: State, i: int, param: torch.Tensor) -> None:
+    """A gradient for parameter ``i`` was just accumulated into ``param.grad``: take it into the buffer."""
+    w = state.window
+    if not w.in_microbatch:
+        if w.open:
+            w.fail(OUTSIDE, f"parameter {state.names[i]!r} got a gradient outside microbatch() (not counted in M)")
+        return
+    grad = param.grad
+    if state.takes(i) and grad is not None and w.flat is not None and w.sender is not None:
+        if grad.layout != torch.strided:
+            w.fail(UNSUPPORTED, f"parameter {state.names[i]!r} got a {grad.layout} gradient; only dense ones count")
+        elif w.sender.sent(i):
+            w.fail(
+                LATE,
+                f"parameter {state.names[i]!r} got a gradient after its bucket was sent "
+                "(a second backward in the microbatch marked last, or a .grad set by hand after it?)",
+            )
+        else:
+            layout = state.layout()
+            with torch.no_grad():
+                layout.add(w.flat, i, grad, first=layout.copies_first() and i not in w.written)
+            w.written.add(i)
+        param.grad = None
+    w.seen.add(i)
+    if w.in_last and w.sender is not None:
+        w.sender.ready(i)
+
+
+def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
+    """The tensors whose ``.grad`` the accumulator takes (plain and unsharded ones) that hold one now."""
+    out = [(i, t) for i, t in enumerate(state.tensors) if i not in state.sharded and t.grad is not None]
+    return out + [(i, t) for i, t in state.unsharded.items() if state.takes(i) and t.grad is not None]
+
+
+def take_hand_set(state: State) -> None:
+    """At a microbatch's end: a ``.grad`` still present was set by hand in it; count it there, like a backward's.
+
+    A sharded parameter's ``.grad`` (window form) cannot be added to a full gradient, nor can one set on an
+    unsharded parameter after FSDP reduced it (every_microbatch form): the window is refused.
+    """
+    for i, t in hooked_grads(state):
+        on_grad(state, i, t)
+    if state.fsdp is None:
+        return
+    for i in sorted(state.sharded):
+        if state.fsdp.mode == "window" and state.tensors[i].grad is not None:
+            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set on its shard in a window")
+        unsharded = state.unsharded.get(i)
+        if not state.takes(i) and unsharded is not None and unsharded.grad is not None:
+            # every_microbatch: FSDP's backward already reduced and cleared it; a later one would absorb this
+            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set after FSDP reduced it")
+
+
+def refuse_hand_set(state: State, where: str) -> None:
+    """Outside a microbatch of an open window no ``.grad`` may be present: it could count in no microbatch."""
+    present = hooked_grads(state)
+    if present:
+        name = state.names[present[0][0]]
+        state.window.fail(HAND_SET, f"parameter {name!r} has a .grad set by hand {where}: no microbatch counts it")
+
+
+__all__ = ["hook", "hooked_grads", "install", "on_grad", "refuse_hand_set", "take_hand_set"]

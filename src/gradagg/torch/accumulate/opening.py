@@ -1,0 +1,148 @@
+"""Opening a window: check the parameters (against the other ranks, once), unshard under FSDP2, allocate."""
+
+from __future__ import annotations
+
+import torch
+
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch.accumulate import hooks
+from gradagg.torch.accumulate.buckets import Groups, Sender
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.window import CHANGED
+from gradagg.torch.collectives import check_same_on_all_ranks, get_world_size
+from gradagg.torch.placements import dtype_name
+
+
+def open_window(state: State, *, empty: bool = False) -> None:
+    """Open a window: check the parameters, unshard under FSDP2, allocate the buffer, reset the counters.
+
+    Args:
+        state: the accumulator.
+        empty: opened by ``finish()`` on a rank that ran no microbatch (a stale gradient is reported there).
+
+    Raises:
+        WindowError: a parameter already has a gradient (not ``empty``).
+        CollectiveError: the ranks accumulate different parameters (every rank).
+        GradaggError: unnamed parameters that cannot be told apart across ranks (every rank).
+    """
+    stale = stale_param(state)
+    if stale is not None and not empty:
+        raise WindowError(
+            f"parameter {stale!r} already has a gradient when the accumulation window opens; "
+            "zero the gradients with optimizer.zero_grad() (set_to_none=True) after each step"
+        )
+    w = state.window
+    w.open = True
+    check_layout(state)
+    check_params(state)
+    if state.fsdp is not None:
+        for name, t in state.fsdp.unshard().items():
+            i = state.names.index(name)
+            state.unsharded[i] = t
+            hooks.hook(state, t, i, hooks.on_grad)
+    layout = state.layout()
+    w.flat = layout.fresh(state.pools[0])
+    w.out = layout.output(state.pools[1])
+    groups = Groups(state.group)
+    if state.fsdp is not None:
+        groups = Groups(state.group, state.fsdp.shard_group, state.fsdp.replicate_group)
+    w.sender = Sender(layout, w.flat, w.out, groups, state.nonfinite == "raise", w.written)
+
+
+def open_before_forward(state: State) -> None:
+    """FSDP2 window form: a forward before the first microbatch() would all-gather in forward order; open first."""
+    module = state.params.module
+    if state.fsdp is None or state.fsdp.mode != "window" or module is None:
+        return
+
+    def open_first(_module: object, _args: object) -> None:
+        if torch.is_grad_enabled() and not state.window.open and not state.closed:
+            open_window(state)
+
+    state.extra_hooks.append(module.register_forward_pre_hook(open_first, prepend=True))
+
+
+def stale_param(state: State) -> str | None:
+    """The first parameter (or unsharded one) that holds a gradient, or None."""
+    tensors = [(state.names[i], t) for i, t in enumerate(state.tensors)]
+    tensors += [(state.names[i], t) for i, t in state.unsharded.items()]
+    return next((n for n, t in tensors if t.grad is not None), None)
+
+
+def check_params(state: State) -> None:
+    """Poison the window if the trainable parameters are no longer the accumulated ones."""
+    changed = state.params.changed()
+    if changed is not None:
+        state.window.fail(CHANGED, changed + "; build a new accumulator after changing requires_grad")
+
+
+def check_layout(state: State) -> None:
+    """Every rank must lay out the same parameters in the same order, or the sums would mix them.
+
+    Done when the first window opens, before any bucket can leave (on a rank with microbatches, during
+    its last backward; on one without, in finish()): so it is the first collective of every rank.
+    Named parameters are compared by name, shape and dtype. Unnamed ones (bare tensors) are matched by
+    position, so their values are compared too (replicas hold the same values): tensors given in another
+    order on another rank are refused, and two unnamed tensors that nothing tells apart (same shape,
+    dtype and values) are refused on every rank, since a reordering of them could not be seen.
+
+    Raises:
+        CollectiveError: the ranks' parameters differ (every rank, naming both).
+        GradaggError: indistinguishable unnamed parameters in a group of more than one rank (every rank).
+    """
+    if state.layout_checked:
+        return
+    distributed = get_world_size(state.group) > 1
+    unnamed = state.params.unnamed if distributed else set()
+    entries: list[tuple[object, str]] = []
+    for i, (n, t) in enumerate(zip(state.names, state.tensors)):
+        values = f", values {fingerprint(t)}" if i in unnamed else ""
+        entries.append((n, f"(shape={tuple(t.shape)}, dtype={dtype_name(t.dtype)}{values})"))
+    what = "accumulated parameters"
+    if unnamed:
+        what += " (bare tensors are matched by position and values: pass (name, tensor) pairs or the module)"
+    check_same_on_all_ranks(entries, what, state.group)
+    _refuse_twins([entries[i] for i in sorted(unnamed)])
+    state.layout_checked = True
+
+
+def _refuse_twins(entries: list[tuple[object, str]]) -> None:
+    first: dict[str, object] = {}
+    for name, description in entries:
+        if description in first:
+            raise GradaggError(
+                f"parameters {first[description]!r} and {name!r} are bare tensors with the same shape, dtype and "
+                f"values {description}: given in another order on another rank they would mix silently; pass "
+                "(name, tensor) pairs (model.named_parameters()) or the module"
+            )
+        first[description] = name
+
+
+_CHUNK = 1 << 20  # int64 lanes hashed at a time: bounded memory whatever the tensor's size
+
+
+def fingerprint(t: torch.Tensor) -> str:
+    """An exact digest of ``t``'s bytes, the same on any device: a 64-bit multiply-add hash in int64 lanes.
+
+    Integer sums wrap and are associative, so every device and reduction order gives the same bits (a float
+    checksum would not). Run once per accumulator, on unnamed parameters in a process group only.
+
+    >>> a, b = torch.zeros(3), torch.ones(3)
+    >>> fingerprint(a) == fingerprint(a.clone()), fingerprint(a) == fingerprint(b)
+    (True, False)
+    """
+    raw = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    pad = -raw.numel() % 8
+    if pad:
+        raw = torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)])
+    lanes = raw.view(torch.int64)
+    g = torch.Generator().manual_seed(0x9E3779B97F4A7C15 & (2**63 - 1))
+    h = lanes.numel()
+    for start in range(0, lanes.numel(), _CHUNK):
+        part = lanes[start : start + _CHUNK]
+        mult = torch.randint(-(2**63), 2**63 - 1, (part.numel(),), generator=g, dtype=torch.int64) | 1
+        h = (h * 0x100000001B3 + int((part * mult.to(part.device)).sum())) % 2**64
+    return f"{h:016x}"
+
+
+__all__ = ["check_layout", "check_params", "fingerprint", "open_before_forward", "open_window", "stale_param"]

@@ -1,0 +1,159 @@
+"""The accumulator's state, one object: what it accumulates, where it sends, its hooks, and the current window.
+
+:class:`State` is what the public :class:`~gradagg.torch.MicrobatchAccumulator` holds and passes, explicitly,
+to the functions of the other modules of this package (:mod:`.hooks`, :mod:`.opening`, :mod:`.finish`,
+:mod:`.shards`): each reads and writes the state through its public fields, and none reaches into another
+module's objects. The fixed part (parameters, group, FSDP and DDP sides, the layout) is set once by
+:func:`build`; :attr:`State.window` is replaced by a fresh :class:`~.window.Window` after every window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradagg.errors import GradaggError
+from gradagg.options import NonFinite
+from gradagg.torch.accumulate.ddp import DdpHold
+from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
+from gradagg.torch.accumulate.fsdp import FsdpParams, Mode
+from gradagg.torch.accumulate.ledger import Ledger
+from gradagg.torch.accumulate.params import Params, ParamSource
+from gradagg.torch.accumulate.window import Window
+from gradagg.torch.buffers import ReusableBuffer
+from gradagg.torch.collectives import Group, device_for, get_rank, get_world_size
+
+_BYTES_PER_MB = 2**20
+
+
+@dataclass
+class State:
+    """Everything one accumulator knows.
+
+    Attributes:
+        params: the accumulated parameters (under FSDP2 the sharded DTensors the optimizer holds).
+        group: the process group (None: the default one, or no communication without one).
+        nonfinite: ``"propagate"`` or ``"raise"``.
+        bucket_mb: the size of a gradient bucket.
+        fsdp: the FSDP2 side, if any parameter is a DTensor.
+        ddp: the DDP side, if the source was a DDP module.
+        window: the current window's counters and buffers.
+        pools: reusable buffers: the window's input buffer; the reduce-scatter output.
+        hooked: id(tensor) -> (tensor, hook handle), for every tensor with a gradient hook.
+        extra_hooks: other handles to remove on close (the FSDP forward pre-hook, optimizer hooks).
+        unsharded: FSDP2, while a window is open: parameter index -> its unsharded tensor.
+        layout_checked: whether the ranks' parameter lists were compared (once per accumulator).
+        closed: the hooks are gone; every call refuses.
+        last: the ledger of the last finished window.
+        next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
+        sharded: indices of the FSDP2 (DTensor) parameters (set on construction).
+        external: those FSDP2 reduces itself (``fsdp="every_microbatch"``), whose buffer slot stays empty.
+    """
+
+    params: Params
+    group: Group
+    nonfinite: NonFinite
+    bucket_mb: float
+    fsdp: FsdpParams | None
+    ddp: DdpHold | None
+    window: Window
+    pools: tuple[ReusableBuffer, ReusableBuffer] = field(default_factory=lambda: (ReusableBuffer(), ReusableBuffer()))
+    hooked: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
+    extra_hooks: list[Any] = field(default_factory=list)
+    unsharded: dict[int, torch.Tensor] = field(default_factory=dict)
+    layout_checked: bool = False
+    closed: bool = False
+    last: Ledger | None = None
+    next_last: bool | None = None
+    flat_layout: FlatLayout | None = None  # built on first use by layout()
+
+    @property
+    def names(self) -> list[str]:
+        return self.params.names
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.params.tensors
+
+    def __post_init__(self) -> None:
+        # read in every hook call: computed once (a DTensor check per parameter otherwise)
+        self.sharded: frozenset[int] = frozenset(self.params.sharded) if self.fsdp is not None else frozenset()
+        self.external: frozenset[int] = self.sharded if self.every_microbatch() else frozenset()
+
+    def every_microbatch(self) -> bool:
+        """Whether FSDP2 reduces each microbatch itself (``fsdp="every_microbatch"``)."""
+        return self.fsdp is not None and self.fsdp.mode == "every_microbatch"
+
+    def takes(self, i: int) -> bool:
+        """Whether parameter ``i``'s gradient goes into the accumulator's buffer (not reduced by FSDP itself)."""
+        return i not in self.external
+
+    def new_window(self) -> None:
+        """Forget the window: counters to zero, buffers dropped (a second finish() cannot divide twice)."""
+        self.window = Window(len(self.tensors))
+
+    def layout(self) -> FlatLayout:
+        """The flat buffer's layout: buckets and slots, the same on every rank (built once)."""
+        if self.flat_layout is None:
+            self.flat_layout = _build_layout(self)
+        return self.flat_layout
+
+
+def build(source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float) -> State:
+    """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.hooks.install`).
+
+    Raises:
+        GradaggError: ``bucket_mb`` not a positive number; an invalid ``fsdp``; DTensors without their module;
+            a parameter on the meta device; the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+    """
+    if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
+        raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+    params = Params.collect(source)
+    meta = next((n for n, t in zip(params.names, params.tensors) if t.is_meta), None)
+    if meta is not None:
+        raise GradaggError(
+            f"parameter {meta!r} is on the meta device: it holds no values, so no gradient of it can be summed; "
+            "materialise the model first (model.to_empty(device=...) and initialise it), then build the accumulator"
+        )
+    ddp = DdpHold(params.ddp) if params.ddp is not None else None
+    fsdp_side = _fsdp_side(params, fsdp, group)
+    return State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
+
+
+def _fsdp_side(params: Params, mode: Mode, group: Group) -> FsdpParams | None:
+    sharded = params.sharded
+    if not sharded:
+        if mode not in ("window", "every_microbatch"):
+            raise GradaggError(f"fsdp must be 'window' or 'every_microbatch', got {mode!r}")
+        return None
+    if params.module is None:
+        raise GradaggError("DTensor parameters: pass the module fully_shard was applied to, not its parameters")
+    names = [params.names[i] for i in sharded]
+    return FsdpParams(params.module, names, [params.tensors[i] for i in sharded], mode, get_world_size(group))
+
+
+def _build_layout(state: State) -> FlatLayout:
+    specs = []
+    sharded = state.sharded
+    for i, t in enumerate(state.tensors):
+        kind = "reduce_scatter" if i in sharded else "all_reduce"
+        if not state.takes(i):
+            kind = "external"  # FSDP reduces it itself; only its participation is counted here
+        specs.append(ParamSpec(tuple(t.shape), t.dtype, kind))  # type: ignore[arg-type]
+    elem = torch.empty(0, dtype=buffer_dtype(specs)).element_size()
+    fsdp = state.fsdp
+    ways, shard_rank = (1, 0) if fsdp is None else (fsdp.ways, fsdp.shard_rank)
+    return FlatLayout(
+        specs,
+        get_world_size(state.group),
+        get_rank(state.group),
+        device_for(state.group),
+        int(state.bucket_mb * _BYTES_PER_MB / elem),
+        ways,
+        shard_rank,
+    )
+
+
+__all__ = ["State", "build"]
