@@ -22,7 +22,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from gradagg import reference  # noqa: E402
 from gradagg.engine import microbatch_mean_batches, owner_sum_batches  # noqa: E402
-from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError  # noqa: E402
+from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError, OutputError  # noqa: E402
 from gradagg.formats import parquet  # noqa: E402  (after the importorskips)
 
 ENGINES = ["numpy", "python", "torch"]
@@ -266,7 +266,7 @@ def test_write_refuses_mixed_total_shapes_and_leaves_nothing(tmp_path: Path) -> 
 
 
 def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failure while writing keeps the old file and leaves no temporary file."""
+    """A failure while writing keeps the old file, leaves no temporary file, and names the output."""
     out = tmp_path / "out.parquet"
     out.write_bytes(b"old")
 
@@ -275,7 +275,7 @@ def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         raise OSError("disk full")
 
     monkeypatch.setattr(pq, "write_table", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OutputError, match=f"^{out}: cannot write Parquet: disk full$"):
         parquet.write_mean(str(out), [1.0])
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
 

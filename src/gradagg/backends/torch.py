@@ -190,7 +190,9 @@ class OwnerSumAccumulator:
             return shards, kind
         if self._id_kind == "fixed" and kind == "str":  # strings after a <U array: as <U, if it can hold them
             return _strings.as_fixed(shards, self._rows), "fixed"
-        if self._id_kind in ("int", "fixed"):
+        if self._id_kind == "int" and kind in ("str", "object", "fixed"):  # beyond int64, or strings: keys from now
+            self._hold_as_keys()
+        if self._id_kind == "fixed":
             said = {"fixed": "str (a <U array)", "object": "int and str"}
             raise UnorderableShardError(
                 f"row {self._rows}: shard ids are {said.get(kind, kind)} in this batch but "
@@ -199,6 +201,14 @@ class OwnerSumAccumulator:
             )
         self._id_kind = "object"
         return (_strings.object_array(shards.tolist()) if kind == "int" else shards), "object"
+
+    def _hold_as_keys(self) -> None:
+        """Turn the integer keys into codes of the same ids (Python ints); the totals keep their rows."""
+        if self._keys is not None:
+            ids = _strings.object_array(self._keys.cpu().tolist())
+            # Interned in ascending order, the codes are 0..k-1 in the keys' order: still sorted keys.
+            self._keys = torch.from_numpy(self._names.codes(ids)).to(self._keys.device)
+        self._id_kind = "object"
 
     def _raise_nonfinite(self, owned: Any, grads: Any, codes: Any) -> None:
         if not grads.is_floating_point() or bool(torch.isfinite(grads).all()):
