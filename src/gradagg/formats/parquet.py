@@ -29,12 +29,13 @@ is the transpose of the CSV and JSON forms on purpose: each batch of parameter
 rows holds every microbatch of those parameters, so it is complete in itself.
 
 A file is trusted no further than its footer agrees with itself: before any
-row is read, every row group must list one column chunk per schema column, in
-the schema's order (pyarrow reads chunks by position: a reordered chunk would
-swap columns), each flat column's chunk must hold as many values as its row
-group declares rows, and the row groups must add up to the file's rows; while
-reading, each row group must decode to the rows it declares, and page checksums
-are verified where the writer wrote them. pyarrow's own errors come back as a
+row is read, every row group must list one column chunk per schema column and
+the row groups must add up to the file's rows; before any row of a row group is
+handed on, each chunk read must be the schema's column at that place (pyarrow
+reads chunks by position: a reordered chunk would swap columns) and a flat
+column's chunk must hold as many values as the row group declares rows; and the
+row group must decode to the rows it declares. Page checksums are verified
+where the writer wrote them. pyarrow's own errors come back as a
 :class:`~gradagg.errors.FormatError` naming the file.
 
 Output (``-o FILE.parquet``): :func:`write_owner_sum` and :func:`write_mean`,
@@ -43,6 +44,7 @@ from :mod:`gradagg.formats.parquet_write`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from queue import Full, Queue
@@ -62,7 +64,7 @@ Progress = Callable[[int, int], None]
 """Called after each batch with (rows done, rows in the file)."""
 
 OWNER_COLUMNS = arrow.OWNER_COLUMNS
-_WHOLE_CHUNKS_UP_TO = 256 << 20  # row groups up to this many compressed bytes are read a column chunk at once
+_WHOLE_CHUNKS_UP_TO = 256 << 20  # row groups up to this many decoded bytes are read a column chunk at once
 _BATCH_BYTES = 8 << 20  # decoded bytes per batch: large enough to amortise per-batch Python, small to bound memory
 
 
@@ -134,64 +136,85 @@ def _open(path: Source, read_dictionary: list[str] | None = None) -> pq.ParquetF
         pf = pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary,
                             page_checksum_verification=True)
         check_footer(pf.metadata, _source(path))
+        pf.schema_arrow  # noqa: B018  (built here, so that a corrupt schema is refused here, named)
         if _largest_row_group(pf) <= _WHOLE_CHUNKS_UP_TO:
             return pf
         # Unbuffered reads load a whole column chunk at once: fine for the usual row groups, not for a file
         # written as one huge group. Buffered reads keep 1 MiB per column.
         return pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary, buffer_size=1 << 20,
                               page_checksum_verification=True)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # (a column name that is not UTF-8)
         if isinstance(exc, OSError) and exc.filename:
             raise  # the system's own error (no such file, permission), naming the file
         raise FormatError(f"{_source(path)}: not a readable Parquet file: {_one_line(exc)}") from None
 
 
 def check_footer(meta: pq.FileMetaData, source: str = "input") -> None:
-    """Refuse a footer that disagrees with itself, before any row is read (see the module notes).
+    """Refuse a footer whose row groups disagree with the schema or the file's row count, before any row is read.
+
+    Only the row groups' own fields are read here: pyarrow 26 aborts the process (``std::terminate``) when
+    Python asks for a column chunk whose metadata is corrupt, where its reader raises an error instead; so
+    each chunk is checked by :func:`check_row_group`, after pyarrow has decoded that row group.
 
     Args:
         meta: the file's metadata.
         source: the file name, for messages.
 
     Raises:
-        FormatError: a row group with more or fewer column chunks than the schema has columns, a chunk
-            listed at another column's place, a flat chunk whose value count is not its row group's row
-            count, or row groups whose rows do not add up to the file's.
+        FormatError: a row group with more or fewer column chunks than the schema has columns, or row
+            groups whose rows do not add up to the file's.
     """
-    schema = meta.schema
-    paths = [schema.column(j).path for j in range(meta.num_columns)]
-    flat = [schema.column(j).max_repetition_level == 0 for j in range(meta.num_columns)]
+    columns = meta.num_columns
     rows = 0
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
-        if group.num_columns != len(paths):
+        if group.num_columns != columns:
+            paths = ", ".join(meta.schema.column(j).path for j in range(columns))
             raise FormatError(
-                f"{source}: row group {i} has {group.num_columns} column chunks but the schema has {len(paths)} "
-                f"columns ({', '.join(paths)}); the file is corrupt"
+                f"{source}: row group {i} has {group.num_columns} column chunks but the schema has {columns} "
+                f"columns ({paths}); the file is corrupt"
             )
-        for j, want in enumerate(paths):
-            chunk = group.column(j)
-            if chunk.path_in_schema != want:
-                raise FormatError(
-                    f"{source}: row group {i} lists the chunk of column {chunk.path_in_schema!r} where the schema "
-                    f"has column {want!r} (column {j}); read by position, the columns would be swapped"
-                )
-            if flat[j] and chunk.num_values != group.num_rows:
-                raise FormatError(
-                    f"{source}: row group {i} declares {group.num_rows} rows but its column {want!r} holds "
-                    f"{chunk.num_values} values; the file is corrupt"
-                )
         rows += group.num_rows
     if rows != meta.num_rows:
         raise FormatError(f"{source}: the row groups hold {rows} rows but the footer declares {meta.num_rows}")
 
 
+def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, source: str = "input") -> None:
+    """Refuse row group ``i`` where a chunk of the columns read is not what the schema says is there.
+
+    Args:
+        meta: the file's metadata.
+        i: the row group, already decoded by pyarrow (so its chunks' metadata is sound).
+        names: the top-level columns read (None: all).
+        source: the file name, for messages.
+
+    Raises:
+        FormatError: a chunk listed at another column's place (pyarrow reads chunks by position: the
+            columns would be swapped), or a flat column's chunk holding another number of values than
+            the row group declares rows.
+    """
+    group, schema = meta.row_group(i), meta.schema
+    for j in range(meta.num_columns):
+        column = schema.column(j)
+        if names is not None and column.path.split(".")[0] not in names:
+            continue
+        chunk = group.column(j)
+        if chunk.path_in_schema != column.path:
+            raise FormatError(
+                f"{source}: row group {i} lists the chunk of column {chunk.path_in_schema!r} where the schema "
+                f"has column {column.path!r} (column {j}); read by position, the columns would be swapped"
+            )
+        if column.max_repetition_level == 0 and chunk.num_values != group.num_rows:
+            raise FormatError(
+                f"{source}: row group {i} declares {group.num_rows} rows but its column {column.path!r} holds "
+                f"{chunk.num_values} values; the file is corrupt"
+            )
+
+
 def _largest_row_group(pf: pq.ParquetFile) -> int:
-    """Compressed bytes of the file's largest row group (from the footer)."""
+    """Decoded bytes of the file's largest row group, as its footer entry says (no chunk's metadata is read)."""
     meta = pf.metadata
-    sizes = (meta.row_group(i).column(j).total_compressed_size
-             for i in range(meta.num_row_groups) for j in range(meta.num_columns))
-    return int(max(sizes, default=0)) * int(meta.num_columns)  # the largest chunk, as if all columns were as big
+    return max((int(meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)), default=0)
 
 
 _STDIN: list[bytes] = []
@@ -231,7 +254,7 @@ def _batches(
                 progress(done, total)
     except GradaggError:
         raise
-    except (pa.ArrowException, OSError) as exc:  # pyarrow's text names no file
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # pyarrow's text names no file
         raise FormatError(f"{source}: cannot read Parquet data: {_one_line(exc)}") from None
 
 
@@ -242,8 +265,9 @@ def _record_batches(
 
     Whole row groups decode each column chunk in one call, faster than slicing
     them into batches; a bigger group (a file written as one huge row group) is
-    sliced into batches of ~``_BATCH_BYTES``, so memory stays bounded. Each row
-    group must decode to the rows its footer entry declares.
+    sliced into batches of ~``_BATCH_BYTES``, so memory stays bounded. No batch
+    of a row group is handed on before its chunks are checked
+    (:func:`check_row_group`), and each row group must decode to the rows it declares.
     """
     meta = pf.metadata
     for i in range(meta.num_row_groups):
@@ -254,8 +278,10 @@ def _record_batches(
         else:
             size = max(1024, _BATCH_BYTES // max(1, row_bytes))
             batches = pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
+        first = next(batches, None)  # decoded: pyarrow has read (and vetted) the chunks' metadata
+        check_row_group(meta, i, columns, source)
         decoded = 0
-        for batch in batches:
+        for batch in itertools.chain([] if first is None else [first], batches):
             decoded += batch.num_rows
             yield batch
         if decoded != rows:
@@ -316,4 +342,4 @@ def _source(path: Source) -> str:
     return path if isinstance(path, str) and path != "-" else "<stdin>"
 
 
-__all__ = ["check_footer", "microbatch_batches", "owner_batches", "write_mean", "write_owner_sum"]
+__all__ = ["check_footer", "check_row_group", "microbatch_batches", "owner_batches", "write_mean", "write_owner_sum"]
