@@ -99,7 +99,7 @@ class MicrobatchMeanAccumulator:
         v, mask = _checks.as_values_and_mask(values, present)
         if self._nonfinite == "raise":
             _checks.check_finite_values(v, mask, self._m)
-        kind = np.int64 if v.dtype.kind == "i" else np.float64
+        kind = _checks.sum_dtype(v)
         if self._sums is None:
             self._sums = np.zeros(v.shape[1], dtype=kind)  # +0.0 for floats, as the reference's int 0 start
         else:
@@ -160,7 +160,7 @@ def _mean_of_lists(rows: Any, nonfinite: str) -> list[Array]:
                 at = f" element {found[0]}" if value.ndim else ""
                 raise _checks.nonfinite_error(f"microbatch {i}, parameter {j}{at}", value.reshape(-1)[found])
             if total is None:
-                total, first = np.zeros(value.shape, dtype=np.int64 if value.dtype.kind == "i" else np.float64), i
+                total, first = np.zeros(value.shape, dtype=_checks.sum_dtype(value)), i
             elif value.shape != total.shape:
                 raise GradientShapeError(
                     f"microbatch {i}, parameter {j}: shape {value.shape}, "

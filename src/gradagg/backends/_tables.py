@@ -23,7 +23,7 @@ DENSE_LIMIT = 1 << 24
 def add_at(totals: Array, codes: Array, values: Array) -> None:
     """``totals[codes[i]] += values[i]`` in row order (``ufunc.at`` is unbuffered and ordered).
 
-    ``np.add.at`` on 2-D rows runs per row (~10x slower than per column), so
+    ``np.add.at`` on 2-D rows runs per row (much slower than per column), so
     vectors are added one component at a time, on float64 column copies.
     """
     if values.ndim == 1:
@@ -69,7 +69,7 @@ class DenseTable:
         self, start: int, shards: Array, workers: Array, owners: Array, grads: Array, owned: Array | None
     ) -> tuple[int, int, int] | None:
         """Add owner rows from ``start`` on; or stop at row r and return ``(r, lo, hi)``, the ids to make room for."""
-        # Row numbers, then take: a boolean mask over random rows indexes ~6x slower than this in numpy 2.4.
+        # Row numbers, then take: a boolean mask over random rows indexes slower than this in numpy 2.4.
         rows = np.flatnonzero(workers[start:] == owners[start:] if owned is None else owned[start:])
         if start:
             rows += start

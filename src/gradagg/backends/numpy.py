@@ -210,7 +210,7 @@ class OwnerSumAccumulator:
 
     def _check_consistent(self, shards: Any, skind: str, grads: Array) -> tuple[Any, str]:
         """Later batches must keep the first batch's shard id type and gradient shape and dtype kind."""
-        shape, dtype = grads.shape[1:], _total_dtype(grads)
+        shape, dtype = grads.shape[1:], _checks.sum_dtype(grads)
         if self._id_kind is None:
             self._id_kind, self._shape, self._dtype = skind, shape, dtype
             return shards, skind
@@ -262,10 +262,6 @@ class OwnerSumAccumulator:
 def _typed(ids: Any) -> bool:
     """Whether an id column's dtype says int or str even when it is empty (an object array or a list does not)."""
     return isinstance(ids, np.ndarray) and ids.dtype.kind != "O"
-
-
-def _total_dtype(grads: Array) -> Any:
-    return np.dtype(np.int64) if grads.dtype.kind == "i" else np.dtype(np.float64)
 
 
 def _describe(shape: tuple[int, ...] | None) -> str:

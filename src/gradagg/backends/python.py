@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from gradagg import reference
+from gradagg.backends import _checks
 from gradagg.errors import GradaggError, RowShapeError
 
 
@@ -190,7 +191,7 @@ def _totals_like(np: Any, items: list[Any], sample: Any) -> Any:
         flat = [x for t in items for x in (t if isinstance(t, list) else [t])]
         return _exact_array(np, items, np.int64 if all(isinstance(x, int) for x in flat) else np.float64)
     a = _as_numpy(np, sample)
-    return np.empty((0, *a.shape[1:2]), dtype=np.int64 if a.dtype.kind in "iu" else np.float64)
+    return np.empty((0, *a.shape[1:2]), dtype=_checks.sum_dtype(a))
 
 
 def _exact_array(np: Any, items: list[Any], dtype: Any) -> Any:

@@ -149,6 +149,8 @@ def owner_sum_rows(
             message; on numpy/torch also what they cannot hold exactly (ints
             beyond int64, ints above 2**53 mixed with floats in one shard,
             vectors of several lengths), saying so and naming the row or shard.
+            Where such a limit comes first in row order, its message is the
+            one raised (the reference is re-read only up to the row it names).
 
     >>> owner_sum_rows([["x", "a", "a", 1], ["y", "a", "a", 0.5], ["x", "a", "a", 2**53 + 1]], engine="numpy")
     [['x', 9007199254740994], ['y', 0.5]]
@@ -166,8 +168,10 @@ def owner_sum_rows(
 
     try:
         return _rows.owner_sum(rows, run)
-    except GradaggError:
-        reference.owner_sum(rows, nonfinite=nonfinite)  # the reference's own message, when it refuses the rows too
+    except GradaggError as exc:
+        # The reference's own message where it refuses these rows too: it reads rows in order, so it refuses
+        # them by the row the engine names (then only that far is re-read), or only at the end.
+        reference.owner_sum(_up_to_named_row(rows, exc, "row"), nonfinite=nonfinite)
         raise
 
 
@@ -213,8 +217,8 @@ def microbatch_mean_rows(
 
     try:
         return _rows.microbatch_mean(rows, run)
-    except GradaggError:
-        reference.microbatch_mean(rows, active_counts, nonfinite=nonfinite)
+    except GradaggError as exc:
+        reference.microbatch_mean(_up_to_named_row(rows, exc, "microbatch"), nonfinite=nonfinite)
         raise
 
 
@@ -286,6 +290,14 @@ def microbatch_mean_batches(
         count += values.shape[1]
     route = route or Route(engine, None, [])
     return route.values_out(route.concatenate(parts))
+
+
+def _up_to_named_row(rows: Sequence[Sequence[object]], exc: GradaggError, what: str) -> Sequence[Sequence[object]]:
+    """The rows up to the last one an error message names ("row 0: ... but row 1's ..."), or all of them."""
+    import re
+
+    named = [int(n) for n in re.findall(rf"\b{what} (\d+)", str(exc))]
+    return rows[: max(named) + 1] if named else rows
 
 
 def _absent_where_not_present(rows: Any, present: Any) -> list[list[Any]]:
