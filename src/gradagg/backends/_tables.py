@@ -56,7 +56,7 @@ class DenseTable:
         if span * int(np.prod(self.shape, dtype=np.int64)) > DENSE_LIMIT:
             return None
         # Grow away from the side that overflowed, so ids arriving in order keep fitting; and stay inside int64,
-        # since the kernels compute shard - lo in int64.
+        # since shard - lo is computed in int64.
         new_lo = need_hi - span + 1 if self.span and lo < self.lo else need_lo
         new_lo = max(_checks.INT64_MIN, min(new_lo, _checks.INT64_MAX - span + 1))
         new = DenseTable(new_lo, span, self.shape, self.dtype)

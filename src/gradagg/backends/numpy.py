@@ -124,7 +124,7 @@ class OwnerSumAccumulator:
         self._rows += shards.shape[0]
 
     def _owned_if_needed(self, shards: Array, workers: Array, owners: Array, grads: Array) -> Array | None:
-        """The owner-row mask, computed only for the checks that need it (the fused kernels do without)."""
+        """The owner-row mask, computed only for the checks that need it (the tables compute their own)."""
         if self._nonfinite != "raise" and grads.dtype.kind != "i":
             return None
         owned: Array = np.equal(workers, owners)
@@ -195,7 +195,7 @@ class OwnerSumAccumulator:
         grads = _checks.as_gradients(gradients)
         names = ("shard_ids", "worker_ids", "owner_ids", "gradients")
         _checks.check_lengths(dict(zip(names, (len(shards), len(workers), len(owners), len(grads)))))
-        if not wkind == okind == "int":  # kernels compare ints: the exact Python compare becomes a 0/1 column
+        if not wkind == okind == "int":  # tables compare ints: the exact Python compare becomes a 0/1 column
             same = _checks.owner_rows(workers, wkind, owners, okind)
             workers, owners = same.view(np.int8), np.ones(len(workers), dtype=np.int8)
         if skind == "str" and isinstance(shards, np.ndarray) and shards.dtype.kind == "U":

@@ -14,9 +14,8 @@ String shard ids cannot live in a tensor: a ``<U`` array is merged into sorted
 ``<U`` keys on the host (packed keys, :mod:`gradagg.backends._factor`); other
 string ids get integer codes (:mod:`gradagg.backends._strings`, exact for
 trailing NULs), sorted by the strings at the end. Only positions or codes go
-to the device. Whether CPU tensors are better
-served by the NumPy kernels is :mod:`gradagg.engine`'s choice, not this
-module's: it never calls another backend.
+to the device. This module never calls another backend: choosing one is
+:mod:`gradagg.engine`'s alone.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ from :mod:`gradagg.formats.parquet_write`.
 from __future__ import annotations
 
 import itertools
+import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from queue import Full, Queue
@@ -127,8 +129,10 @@ def _open(path: Source, read_dictionary: list[str] | None = None) -> pq.ParquetF
     source: Any = path
     if not isinstance(path, str):
         path.seek(0)  # a file object is opened twice when its strings are read as dictionaries
-    elif path == "-":
-        source = pa.BufferReader(_stdin_bytes())  # Parquet's footer is at the end: it needs the whole file
+    elif path == "-" or not stat.S_ISREG(os.stat(path).st_mode):
+        # Parquet's footer is at the end: standard input, a FIFO or a device (``<(cat f.parquet)``) is read
+        # once, whole, by Python (interruptible), instead of pyarrow reopening it and blocking in open().
+        source = pa.BufferReader(_read_once(path))
     try:
         # pre_buffer=False: with pre-buffering, pyarrow keeps every buffered column chunk until the file is
         # closed (a peak resident size several times the decoded batch). No memory map: mapped pages count
@@ -217,16 +221,23 @@ def _largest_row_group(pf: pq.ParquetFile) -> int:
     return max((int(meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)), default=0)
 
 
-_STDIN: list[bytes] = []
+_READ: dict[str, bytes] = {}
 
 
-def _stdin_bytes() -> bytes:
-    # Standard input can be read once, and a file with string ids is opened twice (schema, then data).
-    if not _STDIN:
-        import sys
+def _read_once(path: str) -> bytes:
+    """The bytes of standard input (``-``) or of a file that cannot be read twice, read once and kept.
 
-        _STDIN.append(sys.stdin.buffer.read())
-    return _STDIN[0]
+    A file with string ids is opened twice (schema, then data), and a pipe can be read once only.
+    """
+    if path not in _READ:
+        if path == "-":
+            import sys
+
+            _READ[path] = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                _READ[path] = f.read()
+    return _READ[path]
 
 
 def _batches(
