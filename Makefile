@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 
 .PHONY: demo test lint typecheck bench bench-deps clean
 
-$(DEV_STAMP): pyproject.toml setup.py requirements-dev.txt $(wildcard src/gradagg/_native/*.c src/gradagg/_native/*.h)
+$(DEV_STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt

@@ -1,12 +1,11 @@
 """End to end on the command line: ``gradagg owner-sum FILE.parquet`` against DuckDB's SQL over the same file.
 
 Every command is a whole process, start-up included, as a user would run it.
-gradagg reads a file its native decoder takes (``gradagg._native``: C, no
-pyarrow, no NumPy) natively, any other with pyarrow; a row measures the pyarrow
-path on the same file (``GRADAGG_NATIVE=0``), and two floor rows show what any
-pyarrow-based command pays before aggregating (importing pyarrow.parquet;
-decoding every row group). Both sides write the full result (JSON/CSV text to
-stdout, sent to /dev/null, or a JSON or Parquet file).
+gradagg reads the file with pyarrow (a row group ahead, on a reading thread)
+and sums with NumPy; two floor rows show what any pyarrow-based command pays
+before aggregating (importing pyarrow.parquet; decoding every row group). Both
+sides write the full result (JSON/CSV text to stdout, sent to /dev/null, or a
+JSON or Parquet file).
 Peak resident memory is each command's own, from GNU ``time -f %M``: a child's
 ``ru_maxrss`` from ``os.wait4`` would start at this (large) script's RSS at
 fork time, which Linux carries across ``exec``. The data is seeded and generated in row groups of 2^20 rows, so
@@ -132,7 +131,7 @@ def measure(cmd: list[str]) -> Run:
 def medians(commands: dict[str, list[str]], repeat: int) -> dict[str, Run]:
     """Median time and peak RSS of each command, run interleaved after one warm-up each."""
     for cmd in commands.values():
-        measure(cmd)  # warm-up: page cache, numba's on-disk kernel cache, .pyc files
+        measure(cmd)  # warm-up: page cache, .pyc files
     runs: dict[str, list[Run]] = {name: [] for name in commands}
     for _ in range(repeat):
         for name, cmd in commands.items():  # interleaved, so drift hits every command alike
@@ -143,10 +142,9 @@ def medians(commands: dict[str, list[str]], repeat: int) -> dict[str, Run]:
     }
 
 
-def gradagg_cmd(path: Path, out: Path | None = None, native: bool = True) -> list[str]:
-    """``gradagg owner-sum``; ``native=False`` runs it with ``GRADAGG_NATIVE=0`` (the pyarrow and NumPy path)."""
-    cmd = [sys.executable, "-m", "gradagg", "owner-sum", str(path), "--quiet", *(["-o", str(out)] if out else [])]
-    return cmd if native else ["env", "GRADAGG_NATIVE=0", *cmd]
+def gradagg_cmd(path: Path, out: Path | None = None) -> list[str]:
+    """``gradagg owner-sum FILE --quiet``, the result to stdout or to ``-o out``."""
+    return [sys.executable, "-m", "gradagg", "owner-sum", str(path), "--quiet", *(["-o", str(out)] if out else [])]
 
 
 def duckdb_cmd(path: Path, out: Path | None = None) -> list[str]:
@@ -189,7 +187,6 @@ def import_report(empty: Path) -> str:
         if len(parts) == 3 and parts[1].isdigit() and not parts[2].startswith(" ") and "." not in parts[2]:
             top[parts[2]] = top.get(parts[2], 0) + int(parts[1])
     biggest = sorted(top.items(), key=lambda kv: -kv[1])[:6]
-    # A blocked import (numba: see gradagg.cli._keep_numba_out) is still listed, at a few microseconds.
     loaded = [m for m in ("torch", "pandas", "numba", "polars") if top.get(m, 0) > 1000]
     listed = ", ".join(f"{name} {us / 1000:.0f} ms" for name, us in biggest)
     return f"top-level imports (cumulative): {listed}; heavy modules loaded: {loaded or 'none'}"
@@ -205,7 +202,7 @@ def machine() -> str:
 def versions() -> str:
     import importlib.metadata as md
 
-    names = ["numpy", "pyarrow", "duckdb", "numba", "gradagg"]
+    names = ["numpy", "pyarrow", "duckdb", "gradagg"]
     found = []
     for name in names:
         try:
@@ -247,11 +244,10 @@ def main() -> None:
             for label, out in outputs:
                 cmds = {"g": gradagg_cmd(path, out), "d": duckdb_cmd(path, out)}
                 floor = shards == 1000 and out is None
-                extra = {"p": gradagg_cmd(path, out, native=False), **pyarrow_floor_cmds(path)} if floor else {}
+                extra = pyarrow_floor_cmds(path) if floor else {}
                 got = medians({**cmds, **extra}, args.repeat)
                 lines.append(row(f"{n:.0e} rows, shard ids < {shards:.0e}, {label}", got["g"], got["d"]))
-                if floor:  # side by side in the same run: the pyarrow path, and the part of it that is pyarrow's
-                    lines.append(row("(same, the pyarrow path: GRADAGG_NATIVE=0)", got["p"], got["d"]))
+                if floor:  # side by side in the same run: the part of the command that is pyarrow's
                     lines.append(row("(floor) python -c 'import pyarrow.parquet'", got["import"], got["d"]))
                     lines.append(row(f"(floor) pyarrow reads the {n:.0e}-row file, no aggregation", got["read"],
                                      got["d"]))

@@ -5,7 +5,7 @@ wall times, each with its ratio to that case's memory-read floor (one
 ``numpy.sum`` over the same input bytes). Every engine and peer runs side by
 side on the same arrays in one process, taking turns (round-robin) so that
 background noise on a shared machine hits all of them alike; each has one
-untimed warm-up run first (numba compiles, caches fill, pages fault in).
+untimed warm-up run first (caches fill, pages fault in).
 Only one case's data is alive at a time.
 
     .venv/bin/python bench/bench_engines.py            # full sizes, ~3 minutes on 2 cores
@@ -70,32 +70,13 @@ def floor_runner(columns: list[Any]) -> Runner:
 def gradagg_runners(d: dict[str, Any]) -> dict[str, Runner]:
     import torch
 
-    from gradagg import engine
-    from gradagg.backends import numpy as nb
     from gradagg.engine import owner_sum_columns
 
     cols = [d["shard_id"], d["worker_id"], d["owner_id"], d["gradient"]]
     tcols = [c if c.dtype.kind == "U" else torch.from_numpy(c) for c in cols]
-
-    def pure() -> object:
-        nb._kernels.ENABLED = False
-        try:
-            return owner_sum_columns(*cols, engine="numpy")
-        finally:
-            nb._kernels.ENABLED = nb._kernels.AVAILABLE
-
-    def torch_ops() -> object:
-        engine.CPU_TENSORS_VIA_NUMPY = False  # the device-generic torch ops, here on CPU
-        try:
-            return owner_sum_columns(*tcols, engine="torch")
-        finally:
-            engine.CPU_TENSORS_VIA_NUMPY = None
-
     return {
-        "gradagg auto (numpy+numba)": lambda: owner_sum_columns(*cols),
-        "gradagg numpy, no numba": pure,
+        "gradagg auto (numpy)": lambda: owner_sum_columns(*cols),
         "gradagg torch tensors (auto)": lambda: owner_sum_columns(*tcols),
-        "gradagg torch ops only": torch_ops,
     }
 
 
@@ -136,7 +117,6 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     import pyarrow as pa
     import torch
 
-    from gradagg.backends import numpy as nb
     from gradagg.engine import microbatch_mean_columns
 
     rng = np.random.default_rng(seed)
@@ -151,16 +131,8 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     con.register("t", table)
     sql = "SELECT (" + " + ".join(f"COALESCE({k}, 0)" for k in arrays) + f") / {m} FROM t"
 
-    def pure() -> object:
-        nb._kernels.ENABLED = False
-        try:
-            return microbatch_mean_columns(values, present, engine="numpy")
-        finally:
-            nb._kernels.ENABLED = nb._kernels.AVAILABLE
-
     runners: dict[str, Runner] = {
-        "gradagg auto (numpy+numba)": lambda: microbatch_mean_columns(values, present),
-        "gradagg numpy, no numba": pure,
+        "gradagg auto (numpy)": lambda: microbatch_mean_columns(values, present),
         "gradagg torch tensors (auto)": lambda: microbatch_mean_columns(tv, tp),
         "numpy where+sum (naive)": lambda: np.where(present, values, 0).sum(axis=0, dtype=np.float64) / m,
         "torch where+sum (naive)": lambda: torch.where(tp, tv, 0).sum(0, dtype=torch.float64) / m,
@@ -204,7 +176,7 @@ def environment() -> str:
             model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    names = ("numpy", "numba", "torch", "pyarrow", "pandas", "polars", "duckdb")
+    names = ("numpy", "torch", "pyarrow", "pandas", "polars", "duckdb")
     versions = []
     for name in names:
         try:

@@ -8,6 +8,7 @@ Small batches (``_BATCH_BYTES`` patched) make every file span several batches.
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -22,7 +23,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from gradagg import reference  # noqa: E402
 from gradagg.engine import microbatch_mean_batches, owner_sum_batches  # noqa: E402
-from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError  # noqa: E402
+from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError, OutputError  # noqa: E402
 from gradagg.formats import parquet  # noqa: E402  (after the importorskips)
 
 ENGINES = ["numpy", "python", "torch"]
@@ -266,7 +267,7 @@ def test_write_refuses_mixed_total_shapes_and_leaves_nothing(tmp_path: Path) -> 
 
 
 def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A failure while writing keeps the old file and leaves no temporary file."""
+    """A failure while writing keeps the old file, leaves no temporary file, and names the output."""
     out = tmp_path / "out.parquet"
     out.write_bytes(b"old")
 
@@ -275,7 +276,7 @@ def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         raise OSError("disk full")
 
     monkeypatch.setattr(pq, "write_table", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OutputError, match=f"^{out}: cannot write Parquet: disk full$"):
         parquet.write_mean(str(out), [1.0])
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
 
@@ -322,3 +323,25 @@ def test_a_binary_file_object_is_read_like_a_path(tmp_path: Path) -> None:
     assert as_rows(*owner_sum_file(io.BytesIO(data))) == reference.owner_sum(rows)
     with pytest.raises(FormatError, match="<stdin>: not a readable Parquet file"):
         owner_sum_file(io.BytesIO(b"not parquet"))
+
+
+def test_a_fifo_is_read_once_whole(tmp_path: Path) -> None:
+    """A FIFO (or ``<(cat f.parquet)``) can be read once: it is read whole, then parsed; pyarrow reopening it
+    would block in open() for ever once the writer has left (a hang deaf to signals). String ids make the
+    reader open the input twice."""
+    src = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"shard_id": ["b", "a", "b"], "worker_id": [0, 1, 0], "owner_id": [0, 1, 1],
+                             "gradient": [1.5, 2.0, 9.0]}), src)
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    code = ("import sys; from gradagg.engine import owner_sum_batches, python_values; "
+            "from gradagg.formats import parquet; "
+            f"print([python_values(c) for c in owner_sum_batches(parquet.owner_batches({str(fifo)!r}))])")
+    reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    with open(fifo, "wb") as writer:  # blocks until the reader opens the FIFO
+        writer.write(src.read_bytes())
+    try:
+        out, _ = reader.communicate(timeout=60)
+    finally:
+        reader.kill()
+    assert reader.returncode == 0 and out.strip() == "[['a', 'b'], [2.0, 1.5]]", out

@@ -28,7 +28,7 @@ from gradagg import reference  # noqa: E402  (after the importorskips)
 from gradagg.engine import microbatch_mean_batches, owner_sum_batches  # noqa: E402
 from gradagg.errors import GradaggError  # noqa: E402
 from gradagg.formats import parquet  # noqa: E402
-from tests.engines.engine_inputs import bits  # noqa: E402  (tests/engines, on the pytest pythonpath)
+from tests.engine.engine_inputs import bits  # noqa: E402  (tests/engines, on the pytest pythonpath)
 
 FUZZ = settings(derandomize=True, deadline=None, max_examples=100,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -1,7 +1,8 @@
-"""Fast paths for the two contracts, one module per array framework.
+"""Fast paths for the two contracts, one module per array framework, all behind :class:`Backend`.
 
-Each backend module (:mod:`gradagg.backends.numpy`, :mod:`gradagg.backends.torch`)
-exposes the same names:
+:mod:`gradagg.backends.python` (the reference itself: slow, obviously right),
+:mod:`gradagg.backends.numpy` and :mod:`gradagg.backends.torch` expose the same
+names, which :class:`Backend` states for the type checker:
 
 ``owner_sum(shard_ids, worker_ids, owner_ids, gradients, *, nonfinite)``
     Owner-only shard reduction over columns; returns ``(shards, totals)``.
@@ -13,13 +14,47 @@ exposes the same names:
 Nothing here imports a framework: importing :mod:`gradagg.backends` is free,
 and each backend module imports its framework itself. :mod:`gradagg.engine` is
 the one place that chooses a backend for an input and converts between
-frameworks; no backend calls another. :mod:`gradagg.backends.python` is the
-reference itself behind the same names (slow, obviously right).
+frameworks; no backend calls another.
 
-Private helpers, NumPy only, shared by the fast backends: ``_checks`` (input
-checks and the one NaN locator), ``_strings`` (ids held as Python keys, with
-integer codes), ``_factor`` (sorted factorisation of integer and ``<U`` ids),
-``_tables`` and ``_mean`` (the NumPy backend's owner-sum tables and mean),
-``_kernels`` (numba kernels, optional), ``_rows`` (the engine's one conversion
-of the reference's Python rows into columns).
+Private helpers, NumPy only, shared by the numpy and torch backends: ``_checks``
+(input checks and the one NaN locator), ``_strings`` (ids held as Python keys,
+with integer codes), ``_factor`` (sorted factorisation of integer and ``<U``
+ids), ``_tables`` and ``_mean`` (the NumPy backend's owner-sum tables and mean),
+``_rows`` (the engine's one conversion of the reference's Python rows into columns).
 """
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class OwnerSumTable(Protocol):
+    """A backend's owner-sum accumulator: rows fed in batches, ``(shards, totals)`` at the end."""
+
+    def update(self, shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: Any) -> None: ...
+
+    def result(self) -> tuple[Any, Any]: ...
+
+
+class MeanTable(Protocol):
+    """A backend's microbatch-mean accumulator: microbatches fed in batches, the P means at the end."""
+
+    def update(self, values: Any, present: Any = None) -> None: ...
+
+    def result(self) -> Any: ...
+
+
+class Backend(Protocol):
+    """What :mod:`gradagg.engine` calls on a backend module (each of python, numpy, torch is one).
+
+    The columns are ``Any`` on purpose: each backend takes its own framework's
+    arrays (and lists); the engine converts them before the call.
+    """
+
+    def OwnerSumAccumulator(self, *, nonfinite: str = ...) -> OwnerSumTable: ...  # noqa: N802 (a class)
+
+    def MicrobatchMeanAccumulator(self, *, nonfinite: str = ...) -> MeanTable: ...  # noqa: N802 (a class)
+
+    def microbatch_mean(
+        self, values: Any, present: Any = ..., *, nonfinite: str = ..., parameter_offset: int = ...
+    ) -> Any: ...

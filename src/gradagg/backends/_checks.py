@@ -29,6 +29,15 @@ _EXACT = 2**53  # integers, and sums of integers, up to this magnitude are exact
 _USE_PYTHON = "use engine='python' (the reference), which sums Python integers exactly"
 
 
+def sum_dtype(values: Array) -> np.dtype[Any]:
+    """The one rule for what a sum is held in: int64 for integer values (exact), float64 for any other.
+
+    >>> sum_dtype(np.zeros(1, dtype=np.int8)).name, sum_dtype(np.zeros(1, dtype=np.float32)).name
+    ('int64', 'float64')
+    """
+    return np.dtype(np.int64) if values.dtype.kind in "iu" else np.dtype(np.float64)
+
+
 def as_ids(name: str, x: Any, offset: int = 0) -> tuple[Array, str]:
     """Return ``(ids, kind)``: ``"int"`` for an integer array; ``"str"`` or ``"object"`` for ids held as Python keys.
 

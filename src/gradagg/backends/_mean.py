@@ -2,10 +2,9 @@
 
 One sum per parameter, microbatch by microbatch, from +0.0 (the reference's
 ``0`` start), divided by M, the microbatches counted; an absent value adds
-nothing and still counts in M. Float values are summed in float64 (numba
-kernels when ``_kernels.ENABLED``: masked bits, four rows per visit, the
-division in cache; else NumPy's ``add(..., where=)`` in blocks), integer
-values in int64, exactly, then divided as Python divides integers.
+nothing and still counts in M. Float values are summed in float64 (NumPy's
+``add(..., where=)`` in blocks), integer values in int64, exactly, then
+divided as Python divides integers.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gradagg.backends import _checks, _kernels
+from gradagg.backends import _checks
 from gradagg.errors import GradientShapeError, RowShapeError
 from gradagg.options import check_nonfinite
 
@@ -100,7 +99,7 @@ class MicrobatchMeanAccumulator:
         v, mask = _checks.as_values_and_mask(values, present)
         if self._nonfinite == "raise":
             _checks.check_finite_values(v, mask, self._m)
-        kind = np.int64 if v.dtype.kind == "i" else np.float64
+        kind = _checks.sum_dtype(v)
         if self._sums is None:
             self._sums = np.zeros(v.shape[1], dtype=kind)  # +0.0 for floats, as the reference's int 0 start
         else:
@@ -128,13 +127,6 @@ def _add_rows(sums: Array, values: Array, present: Array | None, divisor: int = 
 
     A non-zero ``divisor`` then divides the sums in place (the one-shot mean).
     """
-    if _kernels.ENABLED and values.size and sums.dtype.kind == "f" and (present is None or values.dtype.kind == "f"):
-        ranges = _kernels.column_ranges(values.shape[1], values.size)
-        if len(ranges) == 1:
-            _kernel_rows(sums, values, present, divisor, *ranges[0])
-        else:
-            list(_kernels.pool().map(lambda r: _kernel_rows(sums, values, present, divisor, *r), ranges))
-        return
     # Blocks keep the float64 sums in cache; `where=` adds without a masked temporary.
     for start in range(0, values.shape[1], _MEAN_BLOCK):
         block = slice(start, start + _MEAN_BLOCK)
@@ -143,16 +135,6 @@ def _add_rows(sums: Array, values: Array, present: Array | None, divisor: int = 
             np.add(sums[block], values[i, block], out=sums[block], where=where)
     if divisor:
         sums /= divisor
-
-
-def _kernel_rows(sums: Array, values: Array, present: Array | None, divisor: int, start: int, stop: int) -> None:
-    if present is None:
-        _kernels.rows_sum(values, sums, start, stop, float(divisor))
-        return
-    bits = np.dtype(f"u{values.dtype.itemsize}")
-    scratch = np.empty((4, _kernels.BLOCK), dtype=values.dtype)
-    masks = (present.view(np.uint8), scratch.view(bits), scratch)
-    _kernels.masked_rows_sum(values.view(bits), masks[0], sums, start, stop, masks[1], masks[2], float(divisor))
 
 
 def _mean_of_lists(rows: Any, nonfinite: str) -> list[Array]:
@@ -178,7 +160,7 @@ def _mean_of_lists(rows: Any, nonfinite: str) -> list[Array]:
                 at = f" element {found[0]}" if value.ndim else ""
                 raise _checks.nonfinite_error(f"microbatch {i}, parameter {j}{at}", value.reshape(-1)[found])
             if total is None:
-                total, first = np.zeros(value.shape, dtype=np.int64 if value.dtype.kind == "i" else np.float64), i
+                total, first = np.zeros(value.shape, dtype=_checks.sum_dtype(value)), i
             elif value.shape != total.shape:
                 raise GradientShapeError(
                     f"microbatch {i}, parameter {j}: shape {value.shape}, "

@@ -3,13 +3,8 @@
 Owner-sum keeps a table of per-shard totals, in one of two layouts:
 
 * dense: integer shard ids whose range is small (at most ``_tables.DENSE_LIMIT``
-  table cells) index the table directly, ``totals[shard - lo]``, and one fused
-  pass does compare, mask and add (the bincount idea, without its passes).
-  The table grows when an id falls outside it, so no pass is spent finding the
-  range first. Batches of at least two chunks of scalar gradients use a second
-  core: it copies the owner rows of the batch's back half out of the way while
-  the first core adds the front half, then the first core adds those copies,
-  still chunk after chunk in row order;
+  table cells) index the table directly, ``totals[shard - lo]``; the table
+  grows (at least doubling) when a batch's ids fall outside it;
 * sorted: any other integer ids (sparse, or vectors too wide for a dense
   table) are factorised (:mod:`gradagg.backends._factor`): the owner rows'
   ids are sorted and made unique, merged into the table's sorted keys, and
@@ -28,10 +23,8 @@ every x, so the first row's value is kept exactly, sign of zero included):
 float totals are bit-identical to :func:`gradagg.reference.owner_sum`.
 
 The tables live in :mod:`gradagg.backends._tables`, the microbatch mean in
-:mod:`gradagg.backends._mean`. The fused loops are numba kernels
-(:mod:`gradagg.backends._kernels`); without numba, or with ``_kernels.ENABLED``
-set to False, the same steps run as NumPy calls (``np.add.at`` is also
-unbuffered and in row order).
+:mod:`gradagg.backends._mean`; the adds are ``np.add.at``, which is unbuffered
+and goes in row order.
 """
 
 from __future__ import annotations
@@ -41,9 +34,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gradagg.backends import _checks, _kernels, _strings, _tables
+from gradagg.backends import _checks, _strings
 from gradagg.backends._mean import MicrobatchMeanAccumulator, microbatch_mean
-from gradagg.backends._tables import DenseTable, SortedTable, TwoEnds
+from gradagg.backends._tables import DenseTable, SortedTable
 from gradagg.errors import GradientShapeError, GradientTypeError, UnorderableShardError, short_repr
 from gradagg.options import check_nonfinite
 
@@ -131,7 +124,7 @@ class OwnerSumAccumulator:
         self._rows += shards.shape[0]
 
     def _owned_if_needed(self, shards: Array, workers: Array, owners: Array, grads: Array) -> Array | None:
-        """The owner-row mask, computed only for the checks that need it (the fused kernels do without)."""
+        """The owner-row mask, computed only for the checks that need it (the tables compute their own)."""
         if self._nonfinite != "raise" and grads.dtype.kind != "i":
             return None
         owned: Array = np.equal(workers, owners)
@@ -155,8 +148,6 @@ class OwnerSumAccumulator:
         if self._table is None:
             self._table = DenseTable(0, 0, self._shape or (), self._dtype) if self._id_kind != "fixed" else None
         n = len(shards)
-        if _kernels.ENABLED and grads.ndim == 1 and n >= 2 * _tables.CHUNK and isinstance(self._table, DenseTable):
-            return self._dense_two_cores(shards, workers, owners, grads)
         stop = self._dense_rows(0, n, shards, workers, owners, grads, owned)
         if self._table is None:  # <U ids: straight to the sorted table
             self._table = self._sorted(None)
@@ -176,41 +167,6 @@ class OwnerSumAccumulator:
             grown = self._table.grown(lo, hi)
             self._table = grown if grown is not None else self._sorted(self._table)
         return start
-
-    def _dense_two_cores(self, shards: Array, workers: Array, owners: Array, grads: Array) -> int:
-        """The fused pass from the front, owner-row compaction from the back, meeting in the middle.
-
-        Rows are still added strictly in row order (chunk after chunk), so the
-        totals keep their bits; the second core only saves the first one from
-        reading replica rows in the back part of the batch.
-        """
-        work = TwoEnds(len(shards))
-        helper = _kernels.pool().submit(work.compact_from_back, shards, workers, owners, grads)
-        try:
-            for lo, hi in work.claim_from_front():
-                stop = self._dense_rows(lo, hi, shards, workers, owners, grads, None)
-                if stop < hi:  # ids left the dense range: the sorted table takes the rest as plain rows
-                    work.cancel()
-                    return stop
-            for owned_shards, owned_grads in work.compacted():
-                self._owned_rows(owned_shards, owned_grads)
-        finally:
-            helper.result()
-        return len(shards)
-
-    def _owned_rows(self, shards: Array, grads: Array) -> None:
-        """Add rows already known to be owner rows (compacted), in order."""
-        start = 0
-        while isinstance(self._table, DenseTable):
-            stop = int(_kernels.dense_owned(shards, grads, start, self._table.lo, self._table.totals, self._table.seen))
-            if stop == len(shards):
-                return
-            start = stop
-            grown = self._table.grown(int(shards[stop]), int(shards[stop]))
-            self._table = grown if grown is not None else self._sorted(self._table)
-        ones = np.ones(len(shards) - start, dtype=bool)
-        assert isinstance(self._table, SortedTable)  # the only other layout
-        self._table.add(shards[start:], ones, ones, grads[start:], ones)
 
     def result(self) -> tuple[Array, Array]:
         """Return ``(shards, totals)`` over all rows fed so far, shards sorted ascending.
@@ -239,7 +195,7 @@ class OwnerSumAccumulator:
         grads = _checks.as_gradients(gradients)
         names = ("shard_ids", "worker_ids", "owner_ids", "gradients")
         _checks.check_lengths(dict(zip(names, (len(shards), len(workers), len(owners), len(grads)))))
-        if not wkind == okind == "int":  # kernels compare ints: the exact Python compare becomes a 0/1 column
+        if not wkind == okind == "int":  # tables compare ints: the exact Python compare becomes a 0/1 column
             same = _checks.owner_rows(workers, wkind, owners, okind)
             workers, owners = same.view(np.int8), np.ones(len(workers), dtype=np.int8)
         if skind == "str" and isinstance(shards, np.ndarray) and shards.dtype.kind == "U":
@@ -254,12 +210,15 @@ class OwnerSumAccumulator:
 
     def _check_consistent(self, shards: Any, skind: str, grads: Array) -> tuple[Any, str]:
         """Later batches must keep the first batch's shard id type and gradient shape and dtype kind."""
-        shape, dtype = grads.shape[1:], _total_dtype(grads)
+        shape, dtype = grads.shape[1:], _checks.sum_dtype(grads)
         if self._id_kind is None:
             self._id_kind, self._shape, self._dtype = skind, shape, dtype
             return shards, skind
         if self._id_kind == "fixed" and skind == "str":  # strings after a <U array: as <U, if it can hold them
             shards, skind = _strings.as_fixed(shards, self._rows), "fixed"
+        if self._id_kind == "int" and skind in ("str", "object", "fixed"):  # beyond int64, or strings: keys from now
+            shards, skind = (_strings.object_array(shards.tolist()), "str") if skind == "fixed" else (shards, skind)
+            self._hold_as_keys()
         if skind != self._id_kind and not self._keyed():
             said = {"fixed": "str (a <U array)", "object": "int and str"}
             raise UnorderableShardError(
@@ -280,6 +239,15 @@ class OwnerSumAccumulator:
             )
         return shards, skind
 
+    def _hold_as_keys(self) -> None:
+        """Turn the integer table into one keyed by codes of the same ids (Python ints), totals untouched."""
+        if self._table is not None:
+            table = self._sorted(self._table) if isinstance(self._table, DenseTable) else self._table
+            # Interned in ascending order, the codes are 0..k-1 in the keys' order: still a sorted table.
+            table.keys = self._names.codes(_strings.object_array(table.keys.tolist()))
+            self._table = table
+        self._id_kind = "object"
+
     def _sorted(self, dense: DenseTable | None) -> SortedTable:
         assert self._shape is not None
         return SortedTable.from_dense(dense, self._id_kind == "fixed", self._shape, self._dtype)
@@ -294,10 +262,6 @@ class OwnerSumAccumulator:
 def _typed(ids: Any) -> bool:
     """Whether an id column's dtype says int or str even when it is empty (an object array or a list does not)."""
     return isinstance(ids, np.ndarray) and ids.dtype.kind != "O"
-
-
-def _total_dtype(grads: Array) -> Any:
-    return np.dtype(np.int64) if grads.dtype.kind == "i" else np.dtype(np.float64)
 
 
 def _describe(shape: tuple[int, ...] | None) -> str:

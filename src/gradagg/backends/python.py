@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from gradagg import reference
+from gradagg.backends import _checks
 from gradagg.errors import GradaggError, RowShapeError
 
 
@@ -124,6 +125,10 @@ class MicrobatchMeanAccumulator:
                     f"microbatch {len(self._rows) + i}: has {len(row)} values, expected {width} (from microbatch 0)"
                 )
         if present is not None:
+            if _shape(present) != _shape(values):  # zip would silently cut the longer one short
+                raise RowShapeError(
+                    f"present has shape {_shape(present)}, values have shape {_shape(values)}; they must match"
+                )
             mask = _tolist(present)
             rows = [[v if p else None for v, p in zip(row, prow)] for row, prow in zip(rows, mask)]
         self._rows.extend(rows)
@@ -133,6 +138,15 @@ class MicrobatchMeanAccumulator:
         means = reference.microbatch_mean(self._rows, nonfinite=self._nonfinite)  # type: ignore[arg-type]
         np = _numpy()
         return means if np is None else np.asarray(means, dtype=np.float64)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    """The shape of an array, a tensor, or a list of equal-length rows (rows of other lengths: just ``(M,)``)."""
+    if hasattr(x, "shape"):
+        return tuple(int(d) for d in x.shape)
+    rows = list(x)
+    lengths = {len(r) if isinstance(r, (list, tuple)) else -1 for r in rows}
+    return (len(rows), lengths.pop()) if len(lengths) == 1 and -1 not in lengths else (len(rows),)
 
 
 def _tolist(x: Any) -> list[Any]:
@@ -169,12 +183,15 @@ def _shards_like(np: Any, items: list[Any], sample: Any) -> Any:
 
 
 def _totals_like(np: Any, items: list[Any], sample: Any) -> Any:
-    """Totals as int64 for integer gradients, else float64; shape ``(S,)`` or ``(S, D)``."""
-    a = _as_numpy(np, sample)
-    dtype = np.int64 if a.dtype.kind in "iu" else np.float64
+    """Totals as int64 where the reference's are all ints (objects beyond int64), else float64; ``(S,)`` or ``(S, D)``.
+
+    The reference's own totals decide: the gradients' array would not say (NumPy makes ``[2**63, 1]`` float64).
+    """
     if items:
-        return _exact_array(np, items, dtype)
-    return np.empty((0, *a.shape[1:2]), dtype=dtype)
+        flat = [x for t in items for x in (t if isinstance(t, list) else [t])]
+        return _exact_array(np, items, np.int64 if all(isinstance(x, int) for x in flat) else np.float64)
+    a = _as_numpy(np, sample)
+    return np.empty((0, *a.shape[1:2]), dtype=_checks.sum_dtype(a))
 
 
 def _exact_array(np: Any, items: list[Any], dtype: Any) -> Any:

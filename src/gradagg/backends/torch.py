@@ -14,9 +14,8 @@ String shard ids cannot live in a tensor: a ``<U`` array is merged into sorted
 ``<U`` keys on the host (packed keys, :mod:`gradagg.backends._factor`); other
 string ids get integer codes (:mod:`gradagg.backends._strings`, exact for
 trailing NULs), sorted by the strings at the end. Only positions or codes go
-to the device. Whether CPU tensors are better
-served by the NumPy kernels is :mod:`gradagg.engine`'s choice, not this
-module's: it never calls another backend.
+to the device. This module never calls another backend: choosing one is
+:mod:`gradagg.engine`'s alone.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from gradagg.backends import _checks, _factor, _strings
 from gradagg.errors import (
@@ -190,7 +190,9 @@ class OwnerSumAccumulator:
             return shards, kind
         if self._id_kind == "fixed" and kind == "str":  # strings after a <U array: as <U, if it can hold them
             return _strings.as_fixed(shards, self._rows), "fixed"
-        if self._id_kind in ("int", "fixed"):
+        if self._id_kind == "int" and kind in ("str", "object", "fixed"):  # beyond int64, or strings: keys from now
+            self._hold_as_keys()
+        if self._id_kind == "fixed":
             said = {"fixed": "str (a <U array)", "object": "int and str"}
             raise UnorderableShardError(
                 f"row {self._rows}: shard ids are {said.get(kind, kind)} in this batch but "
@@ -200,7 +202,15 @@ class OwnerSumAccumulator:
         self._id_kind = "object"
         return (_strings.object_array(shards.tolist()) if kind == "int" else shards), "object"
 
-    def _raise_nonfinite(self, owned: Any, grads: Any, codes: Any) -> None:
+    def _hold_as_keys(self) -> None:
+        """Turn the integer keys into codes of the same ids (Python ints); the totals keep their rows."""
+        if self._keys is not None:
+            ids = _strings.object_array(self._keys.cpu().tolist())
+            # Interned in ascending order, the codes are 0..k-1 in the keys' order: still sorted keys.
+            self._keys = torch.from_numpy(self._names.codes(ids)).to(self._keys.device)
+        self._id_kind = "object"
+
+    def _raise_nonfinite(self, owned: Tensor, grads: Tensor, codes: Any) -> None:
         if not grads.is_floating_point() or bool(torch.isfinite(grads).all()):
             return  # the common case, decided on the device; the one locator runs on the host only on failure
         found = _checks.first_nonfinite(grads.detach().cpu().numpy(), owned.cpu().numpy())
@@ -212,7 +222,7 @@ class OwnerSumAccumulator:
         value = grads[found].item()
         raise _checks.nonfinite_error(f"row {self._rows + found[0]}: gradient of shard {short_repr(shard)}{at}", value)
 
-    def _accumulate(self, shards: Any, owned: Any, grads: Any) -> None:
+    def _accumulate(self, shards: Any, owned: Tensor, grads: Tensor) -> None:
         dtype = torch.int64 if not grads.is_floating_point() else torch.float64
         rows = grads[owned].to(dtype)
         if dtype == torch.int64:
@@ -250,7 +260,7 @@ def _merge_keys(old: Any, shards: Any, owned: Any, device: Any) -> tuple[Any, An
     return keys, inverse[: len(old)], inverse[len(old) :]
 
 
-def _numeric_tensor(x: Any, name: str) -> Any:
+def _numeric_tensor(x: object, name: str) -> Tensor:
     """Numbers must come as a tensor: :mod:`gradagg.engine` converts every other input kind."""
     if isinstance(x, torch.Tensor):
         return x
@@ -269,10 +279,11 @@ def _ids(name: str, x: Any, offset: int) -> tuple[Any, str]:
     return (ids, kind) if kind != "int" else (torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)), kind)
 
 
-def _owned(workers: Any, worker_kind: str, owners: Any, owner_kind: str, device: Any) -> Any:
+def _owned(workers: Any, worker_kind: str, owners: Any, owner_kind: str, device: torch.device) -> Tensor:
     """The owner-row mask as a bool tensor on ``device`` (anything but two int columns compared on the host)."""
     if worker_kind == owner_kind == "int":
-        return workers.to(device) == owners.to(device)
+        same_ids: Tensor = workers.to(device) == owners.to(device)
+        return same_ids
     host = [x.cpu().numpy() if isinstance(x, torch.Tensor) else x for x in (workers, owners)]
     same = _checks.owner_rows(host[0], worker_kind, host[1], owner_kind)
     return torch.from_numpy(same).to(device)
@@ -294,7 +305,7 @@ class MicrobatchMeanAccumulator:
     def __init__(self, *, nonfinite: str = "propagate") -> None:
         self._nonfinite = check_nonfinite(nonfinite)
         self._parameter_offset = 0  # set by microbatch_mean for a batch of a longer input's parameters
-        self._sums: Any = None
+        self._sums: Tensor | None = None
         self._m = 0  # the divisor: microbatches counted, nothing else
 
     def update(self, values: Any, present: Any = None) -> None:
@@ -327,7 +338,7 @@ class MicrobatchMeanAccumulator:
             self._sums += row if mask is None else row.masked_fill_(~mask[i], 0)
         self._m += v.shape[0]
 
-    def result(self) -> Any:
+    def result(self) -> Tensor:
         """Return the ``(P,)`` float64 means (empty when no microbatch was fed).
 
         Returns:
@@ -383,7 +394,7 @@ def _mean_of_lists(rows: Any, nonfinite: str) -> list[Any]:
     return out
 
 
-def _add_item(total: Any, value: Any) -> Any:
+def _add_item(total: Tensor, value: Tensor) -> Tensor:
     """As the reference adds Python numbers: int64 while every value so far was an integer, then float64."""
     if total.dtype == torch.int64 and not value.is_floating_point():
         _checks.check_int_headroom(value.cpu().numpy(), int(total.abs().max()) if total.numel() else 0)
@@ -391,14 +402,14 @@ def _add_item(total: Any, value: Any) -> Any:
     return total.to(torch.float64) + value.to(torch.float64)
 
 
-def _means(sums: Any, m: int) -> Any:
+def _means(sums: Tensor, m: int) -> Tensor:
     """``sums / m`` in float64; integer sums divided exactly as Python does (on the host: rare and small)."""
     if sums.is_floating_point():
         return sums / m
     return torch.from_numpy(np.asarray(_checks.exact_means(sums.cpu().numpy(), m))).to(sums.device)
 
 
-def _raise_nonfinite_item(value: Any, where: str) -> None:
+def _raise_nonfinite_item(value: Tensor, where: str) -> None:
     flat = value.detach().cpu().numpy().reshape(-1)
     found = _checks.first_nonfinite(flat)
     if found is not None:

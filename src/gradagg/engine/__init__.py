@@ -11,20 +11,14 @@ The contracts are those of :mod:`gradagg.reference` (read its vocabulary first):
   in memory that grows with the distinct shards (resp. parameters), not rows.
 
 Engines (``engine=``): ``"python"`` is the reference itself (slow, obviously
-right); ``"numpy"`` is :mod:`gradagg.backends.numpy` (fused one-pass kernels
-when numba is installed, the same answers without); ``"torch"`` is
-:mod:`gradagg.backends.torch` on the tensors' device, except that CPU tensors
-run on the NumPy kernels through zero-copy views when those are compiled
-(:data:`CPU_TENSORS_VIA_NUMPY`: the fastest CPU path, the same bits);
-``"auto"`` picks ``"torch"`` for torch tensors, the compiled native backend
-(:mod:`gradagg.backends.native`, where it is built) for buffer columns
-(``memoryview``, ``array.array``, the native Parquet reader's columns),
-``"numpy"`` for everything else (``"python"`` without NumPy), and the reference
-for rows. The backend choice and the conversions live in
-:mod:`gradagg.engine._route`, the accumulators in :mod:`gradagg.engine.accumulators`.
+right); ``"numpy"`` is :mod:`gradagg.backends.numpy`; ``"torch"`` is
+:mod:`gradagg.backends.torch` on the tensors' device; ``"auto"`` picks
+``"torch"`` for torch tensors, ``"numpy"`` for everything else (``"python"``
+without NumPy), and the reference for rows. That is the whole choice: an
+explicit argument and the input's type, made in :mod:`gradagg.engine._route`
+(the conversions too); the accumulators live in :mod:`gradagg.engine.accumulators`.
 
-Results come back in the input's kind: NumPy in, NumPy out; torch in, torch out;
-buffers in, ``array.array`` out
+Results come back in the input's kind: NumPy in, NumPy out; torch in, torch out
 (totals on the gradients' device, integer shards as the shard ids were; string
 shards are always a NumPy object array of the strings, since a ``<U`` array
 would drop trailing NULs). Totals are int64 for integer gradients, float64 for
@@ -47,13 +41,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gradagg import reference
-from gradagg.engine._route import Route, import_module, importable, kind, resolve_engine
+from gradagg.engine._route import Route, backend, importable, kind
 from gradagg.engine.accumulators import MicrobatchMeanAccumulator, OwnerSumAccumulator
-from gradagg.errors import GradaggError
+from gradagg.errors import GradaggError, RowShapeError
 from gradagg.options import ENGINES, check_engine, check_nonfinite
-
-CPU_TENSORS_VIA_NUMPY: bool | None = None
-"""Run torch CPU tensors on the NumPy kernels (zero-copy): None = when numba compiled them; tests set it."""
 
 
 def owner_sum_columns(
@@ -130,7 +121,7 @@ def microbatch_mean_columns(
     """
     acc = MicrobatchMeanAccumulator(engine=engine, nonfinite=nonfinite)
     if kind(values) == "list":
-        return acc._mean_of_lists(values)
+        return acc._mean_of_lists(values if present is None else _absent_where_not_present(values, present))
     acc.update(values, present)
     return acc.result()
 
@@ -158,6 +149,8 @@ def owner_sum_rows(
             message; on numpy/torch also what they cannot hold exactly (ints
             beyond int64, ints above 2**53 mixed with floats in one shard,
             vectors of several lengths), saying so and naming the row or shard.
+            Where such a limit comes first in row order, its message is the
+            one raised (the reference is re-read only up to the row it names).
 
     >>> owner_sum_rows([["x", "a", "a", 1], ["y", "a", "a", 0.5], ["x", "a", "a", 2**53 + 1]], engine="numpy")
     [['x', 9007199254740994], ['y', 0.5]]
@@ -170,10 +163,15 @@ def owner_sum_rows(
         s, t = owner_sum_columns(shards, workers, owners, gradients, engine=engine, nonfinite=nonfinite)
         return python_values(s), python_values(t)
 
+    backend(engine)  # a missing framework is named before anything imports NumPy
+    from gradagg.backends import _rows  # (NumPy: imported only for a fast engine)
+
     try:
-        return import_module("gradagg.backends._rows").owner_sum(rows, run)  # type: ignore[no-any-return]
-    except GradaggError:
-        reference.owner_sum(rows, nonfinite=nonfinite)  # the reference's own message, when it refuses the rows too
+        return _rows.owner_sum(rows, run)
+    except GradaggError as exc:
+        # The reference's own message where it refuses these rows too: it reads rows in order, so it refuses
+        # them by the row the engine names (then only that far is re-read), or only at the end.
+        reference.owner_sum(_up_to_named_row(rows, exc, "row"), nonfinite=nonfinite)
         raise
 
 
@@ -214,10 +212,13 @@ def microbatch_mean_rows(
     def run(values: Any, present: Any) -> list[Any]:
         return python_values(microbatch_mean_columns(values, present, engine=engine, nonfinite=nonfinite))
 
+    backend(engine)
+    from gradagg.backends import _rows
+
     try:
-        return import_module("gradagg.backends._rows").microbatch_mean(rows, run)  # type: ignore[no-any-return]
-    except GradaggError:
-        reference.microbatch_mean(rows, active_counts, nonfinite=nonfinite)
+        return _rows.microbatch_mean(rows, run)
+    except GradaggError as exc:
+        reference.microbatch_mean(_up_to_named_row(rows, exc, "microbatch"), nonfinite=nonfinite)
         raise
 
 
@@ -291,6 +292,27 @@ def microbatch_mean_batches(
     return route.values_out(route.concatenate(parts))
 
 
+def _up_to_named_row(rows: Sequence[Sequence[object]], exc: GradaggError, what: str) -> Sequence[Sequence[object]]:
+    """The rows up to the last one an error message names ("row 0: ... but row 1's ..."), or all of them."""
+    import re
+
+    named = [int(n) for n in re.findall(rf"\b{what} (\d+)", str(exc))]
+    return rows[: max(named) + 1] if named else rows
+
+
+def _absent_where_not_present(rows: Any, present: Any) -> list[list[Any]]:
+    """List input with a mask: ``None`` where the mask is False, once the shapes are seen to match."""
+    mask = python_values(present)
+    if _shape(mask) != _shape(rows):
+        raise RowShapeError(f"present has shape {_shape(mask)}, values have shape {_shape(rows)}; they must match")
+    return [[v if keep else None for v, keep in zip(row, keeps)] for row, keeps in zip(rows, mask)]
+
+
+def _shape(rows: list[Any]) -> tuple[int, ...]:
+    lengths = {len(r) if isinstance(r, (list, tuple)) else -1 for r in rows}
+    return (len(rows), lengths.pop()) if len(lengths) == 1 and -1 not in lengths else (len(rows),)
+
+
 def python_values(x: Any) -> list[Any]:
     """Plain Python numbers and strings from a NumPy array, a torch tensor (any device) or a list.
 
@@ -322,7 +344,6 @@ def available_engines() -> tuple[str, ...]:
 
 
 __all__ = [
-    "CPU_TENSORS_VIA_NUMPY",
     "ENGINES",
     "MicrobatchMeanAccumulator",
     "OwnerSumAccumulator",
@@ -334,5 +355,4 @@ __all__ = [
     "owner_sum_columns",
     "owner_sum_rows",
     "python_values",
-    "resolve_engine",
 ]

@@ -2,21 +2,31 @@
 
 Part of :mod:`gradagg.engine`, the one place that chooses a backend and converts
 between frameworks: :func:`resolve_engine` turns ``"auto"`` into an engine by
-the input's kind (:func:`kind`, which imports no framework), and a
-:class:`Route` holds the chosen backend and converts each column for it (NumPy
-arrays, torch tensors on their device, Python lists, or buffer columns for the
-native backend) and each result back into the input's kind.
+the input's kind (:func:`kind`, which imports no framework), :func:`backend`
+imports that backend (statically, behind :class:`gradagg.backends.Backend`, so
+the type checker sees the call), and a :class:`Route` holds it and converts each
+column for it (NumPy arrays, torch tensors on their device, Python lists) and
+each result back into the input's kind. Nothing else changes the path: no
+environment variable, no module global.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from gradagg.errors import GradaggError
-from gradagg.options import check_engine
+from gradagg.options import Engine, check_engine
+
+if TYPE_CHECKING:
+    from gradagg.backends import Backend
+
+BackendName = str  # "python", "numpy" or "torch": an engine once "auto" is resolved
+
+_INSTALL = {"numpy": "pip install 'gradagg[numpy]'", "torch": "pip install 'gradagg[torch]'"}
 
 
-def resolve_engine(engine: str, sample: Any) -> str:
+def resolve_engine(engine: str, sample: Any) -> BackendName:
     """Turn ``engine`` (maybe ``"auto"``) into the engine that will run ``sample``.
 
     Args:
@@ -24,29 +34,46 @@ def resolve_engine(engine: str, sample: Any) -> str:
         sample: the gradients column (or values), whose kind decides ``"auto"``.
 
     Returns:
-        ``"python"``, ``"numpy"`` or ``"torch"``; for buffer columns (the native
-        Parquet reader's, ``memoryview``, ``array.array``) ``"auto"`` is
-        ``"native"`` (:mod:`gradagg.backends.native`, compiled) where it is built.
+        ``"python"``, ``"numpy"`` or ``"torch"``: ``"auto"`` is torch for torch
+        tensors, else numpy where NumPy is installed, else python.
 
     Raises:
-        GradaggError: an unknown engine, or one whose framework is not installed.
+        GradaggError: an unknown engine.
 
     >>> resolve_engine("python", [1.0])
     'python'
     """
-    if check_engine(engine) == "auto":
-        sample_kind = kind(sample)
-        if sample_kind == "torch":
-            return "torch"
-        if sample_kind == "buffer" and import_module("gradagg.backends.native").available():
-            return "native"
-        return "numpy" if importable("numpy") else "python"
-    if engine != "python" and not importable(engine):
-        raise GradaggError(f"engine={engine!r} needs the {engine} package, which is not installed")
-    return engine
+    chosen: Engine = check_engine(engine)
+    if chosen != "auto":
+        return chosen
+    if kind(sample) == "torch":
+        return "torch"
+    return "numpy" if importable("numpy") else "python"
 
 
-# --- backend choice and conversions: nothing else in gradagg does either --------------------------
+def backend(name: BackendName) -> Backend:
+    """The backend module of an engine, imported on first use.
+
+    Raises:
+        GradaggError: its framework is not installed, in one line naming the install.
+    """
+    try:
+        if name == "numpy":
+            from gradagg.backends import numpy as numpy_backend
+
+            return numpy_backend
+        if name == "torch":
+            from gradagg.backends import torch as torch_backend
+
+            return torch_backend
+    except ImportError as exc:
+        missing = exc.name or str(exc)
+        raise GradaggError(
+            f"engine={name!r} needs {missing}, which is not installed; install it with: {_INSTALL[name]}"
+        ) from None
+    from gradagg.backends import python as python_backend
+
+    return python_backend
 
 
 class Route:
@@ -54,28 +81,20 @@ class Route:
 
     def __init__(self, engine: str, ids_sample: Any, values_sample: Any) -> None:
         self.name = resolve_engine(engine, values_sample)
+        self.backend = backend(self.name)
         self.ids_kind, self.values_kind = kind(ids_sample), kind(values_sample)
         self.ids_device = ids_sample.device if self.ids_kind == "torch" else None
         self.device = values_sample.device if self.values_kind == "torch" else None
-        on_cpu = self.device is None or self.device.type == "cpu"
-        self.backend_name = "numpy" if self.name == "torch" and on_cpu and _cpu_tensors_via_numpy() else self.name
-        self.backend = import_module(f"gradagg.backends.{self.backend_name}")
 
     def ids_in(self, x: Any) -> Any:
         """Ids for the backend: NumPy for numpy (torch viewed without a copy on CPU); else as given."""
-        if kind(x) == "buffer" and self.backend_name != "native":
-            return _list_of_buffer(x) if self.backend_name == "python" else _numpy_of_buffer(x)
-        return _numpy_of(x) if self.backend_name == "numpy" and kind(x) == "torch" else x
+        return _numpy_of(x) if self.name == "numpy" and kind(x) == "torch" else x
 
     def numbers_in(self, x: Any) -> Any:
         """Gradients, values or masks in the backend's array kind (``None`` stays ``None``)."""
-        if x is None or self.backend_name == "native":
+        if x is None or self.name == "python":
             return x
-        if kind(x) == "buffer":
-            x = _list_of_buffer(x) if self.backend_name == "python" else _numpy_of_buffer(x)
-        if self.backend_name == "python":
-            return x
-        if self.backend_name == "numpy":
+        if self.name == "numpy":
             return _numpy_of(x) if kind(x) == "torch" else x
         return x if kind(x) == "torch" else _tensor_of(x, self.device)
 
@@ -92,17 +111,14 @@ class Route:
         return _numpy_of(values) if self.values_kind != "torch" and kind(values) == "torch" else values
 
     def concatenate(self, parts: list[Any]) -> Any:
+        """One array of per-batch results (a mean file's parameter batches), in the parts' own kind."""
         if parts and kind(parts[0]) == "torch":
-            return import_module("torch").cat(parts)
-        np = import_module("numpy")
+            import torch
+
+            return torch.cat(parts)
+        import numpy as np
+
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.float64)
-
-
-def _cpu_tensors_via_numpy() -> bool:
-    chosen = import_module("gradagg.engine").CPU_TENSORS_VIA_NUMPY  # (set by tests and benchmarks)
-    if chosen is not None:
-        return bool(chosen)
-    return bool(import_module("gradagg.backends._kernels").AVAILABLE)
 
 
 def _numpy_of(t: Any) -> Any:
@@ -112,11 +128,17 @@ def _numpy_of(t: Any) -> Any:
 
 def _tensor_of(x: Any, device: Any) -> Any:
     """A tensor of NumPy or Python numbers, checked first (bools, strings, beyond int64) by the NumPy checks."""
-    torch, np, checks = import_module("torch"), import_module("numpy"), import_module("gradagg.backends._checks")
-    if isinstance(x, np.ndarray):
-        x = x if x.dtype.kind in "biuf" else checks.widen(x, "values")
+    import numpy as np
+    import torch
+
+    from gradagg.backends import _checks
+
+    if not isinstance(x, (np.ndarray, list, tuple)):  # one number (an item of list-of-lists input)
+        x = _checks.as_gradients([x], "values").reshape(())
+    elif isinstance(x, np.ndarray):
+        x = x if x.dtype.kind in "biuf" else _checks.widen(x, "values")
     elif not (len(x) and all(isinstance(v, bool) for v in x)):  # a list of bools is a mask; else numbers
-        x = checks.as_gradients(x, "values")
+        x = _checks.as_gradients(x, "values")
     else:
         x = np.array(x, dtype=bool)
     if not x.flags.writeable or not x.flags.c_contiguous:  # torch.from_numpy wants writable, contiguous memory
@@ -126,48 +148,17 @@ def _tensor_of(x: Any, device: Any) -> Any:
 
 
 def kind(x: Any) -> str:
-    """Classify an input without importing any framework: by its type's module.
-
-    ``"buffer"``: a typed ``memoryview``, an ``array.array``, or a dictionary-encoded
-    buffer column (``values`` a memoryview, ``indices`` one or None), as the native
-    Parquet reader yields (:class:`gradagg.formats.parquet_native.Column`).
-    """
+    """Classify an input without importing any framework, by its type's module: torch, numpy, arrow, list, other."""
     root = type(x).__module__.split(".")[0]
     if root in ("torch", "numpy", "pyarrow"):
         return {"pyarrow": "arrow"}.get(root, root)
-    if isinstance(x, memoryview) or root == "array" or isinstance(getattr(x, "values", None), memoryview):
-        return "buffer"
     return "list" if isinstance(x, (list, tuple)) else "other"
 
 
-def _list_of_buffer(x: Any) -> list[Any]:
-    """The Python numbers of a buffer column, row by row."""
-    values = memoryview(getattr(x, "values", x)).tolist()
-    indices = getattr(x, "indices", None)
-    return values if indices is None else [values[i] for i in memoryview(indices).tolist()]
-
-
-def _numpy_of_buffer(x: Any) -> Any:
-    """A NumPy array of a buffer column (a view; a dictionary-encoded column is taken through its indices)."""
-    np = import_module("numpy")
-    values = memoryview(getattr(x, "values", x))
-    array = np.frombuffer(values, dtype=np.dtype(values.format)) if values.nbytes else np.empty(
-        0, dtype=np.dtype(values.format))
-    indices = getattr(x, "indices", None)
-    return array if indices is None else array.take(np.frombuffer(memoryview(indices), dtype=np.uint32))
-
-
-def import_module(name: str) -> Any:
-    import importlib
-
-    return importlib.import_module(name)
-
-
 def importable(name: str) -> bool:
-    import sys
-
+    """Whether a framework can be imported, without importing it (a module set to None in sys.modules cannot)."""
     if name in sys.modules:  # the common case (NumPy arrays in hand): no search of the path
-        return True
+        return sys.modules[name] is not None
     import importlib.util
 
     return importlib.util.find_spec(name) is not None

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gradagg.engine._route import Route, import_module, kind
+from gradagg.backends import MeanTable, OwnerSumTable
+from gradagg.engine._route import Route, kind
 from gradagg.errors import GradaggError
 from gradagg.options import check_engine, check_nonfinite
 
@@ -22,7 +23,6 @@ class _BatchFed:
         self._engine = check_engine(engine)
         self._nonfinite = check_nonfinite(nonfinite)
         self._route: Route | None = None
-        self._impl: Any = None
 
     @property
     def engine(self) -> str | None:
@@ -31,6 +31,7 @@ class _BatchFed:
 
 
 class OwnerSumAccumulator(_BatchFed):
+
     """Owner-only shard reduction fed in batches of rows.
 
     Each shard's total adds its owner gradients one at a time in the order
@@ -50,6 +51,8 @@ class OwnerSumAccumulator(_BatchFed):
     >>> [a.tolist() for a in acc.result()]
     [[1, 2], [5, 4]]
     """
+
+    _impl: OwnerSumTable
 
     def update(self, shard_ids: Any, worker_ids: Any = None, owner_ids: Any = None, gradients: Any = None) -> None:
         """Feed a batch of rows: four columns, or one Arrow table/record batch.
@@ -85,6 +88,7 @@ class OwnerSumAccumulator(_BatchFed):
 
 
 class MicrobatchMeanAccumulator(_BatchFed):
+
     """The microbatch mean fed a few microbatches at a time.
 
     Keeps one float64 sum per parameter and the count M of microbatches fed;
@@ -103,6 +107,8 @@ class MicrobatchMeanAccumulator(_BatchFed):
     [3.0, 3.0]
     """
 
+    _impl: MeanTable
+
     def update(self, values: Any, present: Any = None) -> None:
         """Feed k microbatches: ``values`` of shape ``(k, P)`` and their ``present`` mask.
 
@@ -116,7 +122,9 @@ class MicrobatchMeanAccumulator(_BatchFed):
                 whose P differs from earlier batches.
         """
         if kind(values) == "arrow":
-            values, present = import_module("gradagg.formats.arrow").microbatch_columns(values)
+            from gradagg.formats import arrow  # (pyarrow: imported only for Arrow input)
+
+            values, present = arrow.microbatch_columns(values)
         if self._route is None:
             self._route = Route(self._engine, None, values)
             self._impl = self._route.backend.MicrobatchMeanAccumulator(nonfinite=self._nonfinite)
@@ -155,7 +163,9 @@ def _owner_columns(shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: A
     if kind(shard_ids) == "arrow":
         if not (worker_ids is None and owner_ids is None and gradients is None):
             raise GradaggError("pass an Arrow table alone: owner_sum_columns(table), not with other columns")
-        yield from import_module("gradagg.formats.arrow").owner_columns(shard_ids)
+        from gradagg.formats import arrow
+
+        yield from arrow.owner_columns(shard_ids)
         return
     named = (("worker_ids", worker_ids), ("owner_ids", owner_ids), ("gradients", gradients))
     missing = [name for name, column in named if column is None]

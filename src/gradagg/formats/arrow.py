@@ -11,8 +11,8 @@ the engines do not take.
 
 Writing: NumPy arrays become Arrow arrays through their buffers. pyarrow 26's
 own constructors (``pa.array``, ``Array.to_numpy``, ``pa.table`` from lists)
-import pandas, ~0.25 s of every command's start-up, so neither direction uses
-them; nor ``pyarrow.compute`` (~30 ms to import).
+import pandas (a large share of a command's start-up), so neither direction
+uses them; nor ``pyarrow.compute`` (an import of its own).
 
 An owner-sum table has columns ``shard_id``, ``worker_id``, ``owner_id`` (integers
 of any width, or strings: ``string``, ``large_string``, dictionary) and
@@ -37,7 +37,7 @@ OWNER_COLUMNS = ("shard_id", "worker_id", "owner_id", "gradient")
 
 
 class OwnerSchema(NamedTuple):
-    """What :func:`check_owner_schema` learnt from a schema (a NamedTuple: ``dataclasses`` costs ~13 ms to import).
+    """What :func:`check_owner_schema` learnt from a schema (a NamedTuple: ``dataclasses`` is an import more).
 
     Attributes:
         shard_kind: ``"int"`` or ``"str"``.
@@ -307,7 +307,7 @@ def _gradients(arr: Any, offset: int) -> Array:
     if pa.types.is_fixed_size_list(arr.type):
         width = arr.type.list_size
     else:
-        lengths = np.diff(numeric(arr.offsets))  # (pyarrow.compute would cost ~30 ms of start-up to import)
+        lengths = np.diff(numeric(arr.offsets))  # (pyarrow.compute would be an import more at start-up)
         width = int(lengths[0]) if n else 0
         if n and (lengths != width).any():
             r = int(np.flatnonzero(lengths != width)[0])

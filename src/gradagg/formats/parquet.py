@@ -28,31 +28,36 @@ the number of columns; participation (non-null cells) is never a divisor. This
 is the transpose of the CSV and JSON forms on purpose: each batch of parameter
 rows holds every microbatch of those parameters, so it is complete in itself.
 
-Output (``-o FILE.parquet``): owner-sum writes ``shard_id`` (int64 or
-large_string) and ``total`` (float64, int64 for exact integer totals, or
-fixed_size_list of them); the mean writes ``parameter`` (int64, from 0) and
-``mean`` (float64). Nothing is ever rounded or re-encoded on the way: what a
-Parquet column cannot hold exactly (an integer total beside float totals that
-float64 would round, an integer beyond int64, a lone surrogate in a string id)
-is an error naming it. The file appears all at once (temporary file, rename).
-The native backend's results (``array.array`` columns) are written without
-pyarrow by :mod:`gradagg.formats.parquet_native_write` instead (a file that
-reads back the same); the command line chooses.
+A file is trusted no further than its footer agrees with itself: before any
+row is read, every row group must list one column chunk per schema column and
+the row groups must add up to the file's rows; before any row of a row group is
+handed on, each chunk read must be the schema's column at that place (pyarrow
+reads chunks by position: a reordered chunk would swap columns) and a flat
+column's chunk must hold as many values as the row group declares rows; and the
+row group must decode to the rows it declares. Page checksums are verified
+where the writer wrote them. pyarrow's own errors come back as a
+:class:`~gradagg.errors.FormatError` naming the file.
+
+Output (``-o FILE.parquet``): :func:`write_owner_sum` and :func:`write_mean`,
+from :mod:`gradagg.formats.parquet_write`.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import stat
+import threading
 from collections.abc import Callable, Iterator
+from queue import Full, Queue
 from typing import Any, BinaryIO, TypeVar
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradagg.errors import FormatError, short_repr
+from gradagg.errors import FormatError, GradaggError
 from gradagg.formats import arrow
-from gradagg.formats._readahead import read_ahead
-from gradagg.formats.atomic import atomic_path
+from gradagg.formats.parquet_write import write_mean, write_owner_sum
 
 T = TypeVar("T")
 Source = str | BinaryIO
@@ -61,9 +66,8 @@ Progress = Callable[[int, int], None]
 """Called after each batch with (rows done, rows in the file)."""
 
 OWNER_COLUMNS = arrow.OWNER_COLUMNS
-_WHOLE_CHUNKS_UP_TO = 256 << 20  # row groups up to this many compressed bytes are read a column chunk at once
+_WHOLE_CHUNKS_UP_TO = 256 << 20  # row groups up to this many decoded bytes are read a column chunk at once
 _BATCH_BYTES = 8 << 20  # decoded bytes per batch: large enough to amortise per-batch Python, small to bound memory
-_EXACT = 2**53  # integers up to this magnitude are exact in float64
 
 
 def owner_batches(path: Source, *, progress: Progress | None = None) -> Iterator[tuple[Any, Any, Any, Any]]:
@@ -125,40 +129,115 @@ def _open(path: Source, read_dictionary: list[str] | None = None) -> pq.ParquetF
     source: Any = path
     if not isinstance(path, str):
         path.seek(0)  # a file object is opened twice when its strings are read as dictionaries
-    elif path == "-":
-        source = pa.BufferReader(_stdin_bytes())  # Parquet's footer is at the end: it needs the whole file
+    elif path == "-" or not stat.S_ISREG(os.stat(path).st_mode):
+        # Parquet's footer is at the end: standard input, a FIFO or a device (``<(cat f.parquet)``) is read
+        # once, whole, by Python (interruptible), instead of pyarrow reopening it and blocking in open().
+        source = pa.BufferReader(_read_once(path))
     try:
         # pre_buffer=False: with pre-buffering, pyarrow keeps every buffered column chunk until the file is
-        # closed (peak RSS 1.6 GB on 10^8 rows instead of 0.5 GB). No memory map: mapped pages count in the
-        # resident size and stay there as the file is read.
-        pf = pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary)
+        # closed (a peak resident size several times the decoded batch). No memory map: mapped pages count
+        # in the resident size and stay there as the file is read.
+        pf = pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary,
+                            page_checksum_verification=True)
+        check_footer(pf.metadata, _source(path))
+        pf.schema_arrow  # noqa: B018  (built here, so that a corrupt schema is refused here, named)
         if _largest_row_group(pf) <= _WHOLE_CHUNKS_UP_TO:
             return pf
         # Unbuffered reads load a whole column chunk at once: fine for the usual row groups, not for a file
-        # written as one huge group. Buffered reads keep 1 MiB per column, ~10% slower.
-        return pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary, buffer_size=1 << 20)
-    except pa.ArrowException as exc:
-        raise FormatError(f"{_source(path)}: not a readable Parquet file: {exc}") from None
+        # written as one huge group. Buffered reads keep 1 MiB per column.
+        return pq.ParquetFile(source, pre_buffer=False, read_dictionary=read_dictionary, buffer_size=1 << 20,
+                              page_checksum_verification=True)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # (a column name that is not UTF-8)
+        if isinstance(exc, OSError) and exc.filename:
+            raise  # the system's own error (no such file, permission), naming the file
+        raise FormatError(f"{_source(path)}: not a readable Parquet file: {_one_line(exc)}") from None
+
+
+def check_footer(meta: pq.FileMetaData, source: str = "input") -> None:
+    """Refuse a footer whose row groups disagree with the schema or the file's row count, before any row is read.
+
+    Only the row groups' own fields are read here: pyarrow 26 aborts the process (``std::terminate``) when
+    Python asks for a column chunk whose metadata is corrupt, where its reader raises an error instead; so
+    each chunk is checked by :func:`check_row_group`, after pyarrow has decoded that row group.
+
+    Args:
+        meta: the file's metadata.
+        source: the file name, for messages.
+
+    Raises:
+        FormatError: a row group with more or fewer column chunks than the schema has columns, or row
+            groups whose rows do not add up to the file's.
+    """
+    columns = meta.num_columns
+    rows = 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        if group.num_columns != columns:
+            paths = ", ".join(meta.schema.column(j).path for j in range(columns))
+            raise FormatError(
+                f"{source}: row group {i} has {group.num_columns} column chunks but the schema has {columns} "
+                f"columns ({paths}); the file is corrupt"
+            )
+        rows += group.num_rows
+    if rows != meta.num_rows:
+        raise FormatError(f"{source}: the row groups hold {rows} rows but the footer declares {meta.num_rows}")
+
+
+def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, source: str = "input") -> None:
+    """Refuse row group ``i`` where a chunk of the columns read is not what the schema says is there.
+
+    Args:
+        meta: the file's metadata.
+        i: the row group, already decoded by pyarrow (so its chunks' metadata is sound).
+        names: the top-level columns read (None: all).
+        source: the file name, for messages.
+
+    Raises:
+        FormatError: a chunk listed at another column's place (pyarrow reads chunks by position: the
+            columns would be swapped), or a flat column's chunk holding another number of values than
+            the row group declares rows.
+    """
+    group, schema = meta.row_group(i), meta.schema
+    for j in range(meta.num_columns):
+        column = schema.column(j)
+        if names is not None and column.path.split(".")[0] not in names:
+            continue
+        chunk = group.column(j)
+        if chunk.path_in_schema != column.path:
+            raise FormatError(
+                f"{source}: row group {i} lists the chunk of column {chunk.path_in_schema!r} where the schema "
+                f"has column {column.path!r} (column {j}); read by position, the columns would be swapped"
+            )
+        if column.max_repetition_level == 0 and chunk.num_values != group.num_rows:
+            raise FormatError(
+                f"{source}: row group {i} declares {group.num_rows} rows but its column {column.path!r} holds "
+                f"{chunk.num_values} values; the file is corrupt"
+            )
 
 
 def _largest_row_group(pf: pq.ParquetFile) -> int:
-    """Compressed bytes of the file's largest row group (from the footer)."""
+    """Decoded bytes of the file's largest row group, as its footer entry says (no chunk's metadata is read)."""
     meta = pf.metadata
-    sizes = (meta.row_group(i).column(j).total_compressed_size
-             for i in range(meta.num_row_groups) for j in range(meta.num_columns))
-    return int(max(sizes, default=0)) * int(meta.num_columns)  # the largest chunk, as if all columns were as big
+    return max((int(meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)), default=0)
 
 
-_STDIN: list[bytes] = []
+_READ: dict[str, bytes] = {}
 
 
-def _stdin_bytes() -> bytes:
-    # Standard input can be read once, and a file with string ids is opened twice (schema, then data).
-    if not _STDIN:
-        import sys
+def _read_once(path: str) -> bytes:
+    """The bytes of standard input (``-``) or of a file that cannot be read twice, read once and kept.
 
-        _STDIN.append(sys.stdin.buffer.read())
-    return _STDIN[0]
+    A file with string ids is opened twice (schema, then data), and a pipe can be read once only.
+    """
+    if path not in _READ:
+        if path == "-":
+            import sys
+
+            _READ[path] = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                _READ[path] = f.read()
+    return _READ[path]
 
 
 def _batches(
@@ -175,152 +254,103 @@ def _batches(
     beside the caller's reduction of the previous batch.
     """
     total = pf.metadata.num_rows
-    batches = _record_batches(pf, columns, max(1, row_bytes))
+    source = _source(path)
     done = 0
     try:
-        for n, prepared in read_ahead((b.num_rows, prepare(b)) for b in batches):
+        batches = _record_batches(pf, columns, row_bytes, source)
+        for n, prepared in _read_ahead((b.num_rows, prepare(b)) for b in batches):
             yield prepared
             done += n
             if progress is not None:
                 progress(done, total)
-    except pa.ArrowException as exc:
-        raise FormatError(f"{_source(path)}: cannot read Parquet data: {exc}") from None
+    except GradaggError:
+        raise
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # pyarrow's text names no file
+        raise FormatError(f"{source}: cannot read Parquet data: {_one_line(exc)}") from None
 
 
-def _record_batches(pf: pq.ParquetFile, columns: list[str] | None, row_bytes: int) -> Iterator[pa.RecordBatch]:
+def _record_batches(
+    pf: pq.ParquetFile, columns: list[str] | None, row_bytes: int, source: str
+) -> Iterator[pa.RecordBatch]:
     """The file's rows in record batches: a row group at a time when it decodes to at most 8 x ``_BATCH_BYTES``.
 
-    Whole row groups decode each column chunk in one call, measured ~25% faster
-    than slicing them into batches; a bigger group (a file written as one huge
-    row group) is sliced into batches of ~``_BATCH_BYTES``, so memory stays bounded.
+    Whole row groups decode each column chunk in one call, faster than slicing
+    them into batches; a bigger group (a file written as one huge row group) is
+    sliced into batches of ~``_BATCH_BYTES``, so memory stays bounded. No batch
+    of a row group is handed on before its chunks are checked
+    (:func:`check_row_group`), and each row group must decode to the rows it declares.
     """
     meta = pf.metadata
     for i in range(meta.num_row_groups):
         rows = meta.row_group(i).num_rows
-        if rows * row_bytes <= 8 * _BATCH_BYTES:
-            yield from pf.read_row_group(i, columns=columns, use_threads=True).to_batches()
+        if rows * max(1, row_bytes) <= 8 * _BATCH_BYTES:
+            table = pf.read_row_group(i, columns=columns, use_threads=True)
+            batches: Iterator[pa.RecordBatch] = iter(table.to_batches())
         else:
-            size = max(1024, _BATCH_BYTES // row_bytes)
-            yield from pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
+            size = max(1024, _BATCH_BYTES // max(1, row_bytes))
+            batches = pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
+        first = next(batches, None)  # decoded: pyarrow has read (and vetted) the chunks' metadata
+        check_row_group(meta, i, columns, source)
+        decoded = 0
+        for batch in itertools.chain([] if first is None else [first], batches):
+            decoded += batch.num_rows
+            yield batch
+        if decoded != rows:
+            raise FormatError(f"{source}: row group {i} declares {rows} rows but {decoded} were decoded")
+
+
+def _read_ahead(items: Iterator[T]) -> Iterator[T]:
+    """The same items, produced on a thread while the caller handles the previous one.
+
+    pyarrow's decoding and NumPy's sums release the GIL, so on two cores
+    reading and reducing overlap. One item waits at most, so memory stays
+    bounded (one waiting, one being produced, one being consumed). An exception
+    while producing is raised here, in the caller's thread; a caller that stops
+    early stops the thread too.
+    """
+    queue: Queue[tuple[str, Any]] = Queue(maxsize=1)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():  # polls, so that a stopped caller never leaves the thread blocked
+            try:
+                queue.put(item, timeout=0.05)
+                return True
+            except Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put(("item", item)):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # handed to the caller, who re-raises it
+            put(("error", exc))
+
+    thread = threading.Thread(target=produce, name="gradagg-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = queue.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _one_line(exc: BaseException) -> str:
+    """pyarrow's message on one line (some carry the C++ source location on lines of their own)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _source(path: Source) -> str:
     return path if isinstance(path, str) and path != "-" else "<stdin>"
 
 
-# --- writing -----------------------------------------------------------------------------
-
-
-def write_owner_sum(path: str, shards: Any, totals: Any) -> None:
-    """Write owner-sum results to ``path`` as Parquet (``shard_id``, ``total``), atomically.
-
-    Args:
-        path: the output file.
-        shards: S shard ids (a NumPy array or ``array.array``, or a list of ints or strings).
-        totals: S totals (a NumPy array or ``array.array``, or a list of numbers or of vectors of one length D).
-
-    Raises:
-        FormatError: what a Parquet column cannot hold exactly, named: totals
-            of several shapes, an integer total beside floats beyond 2**53, an
-            integer beyond int64, a string id that is not valid Unicode.
-
-    >>> import tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "out.parquet")
-    >>> write_owner_sum(path, ["x", "y"], [2**53 + 1, 3])
-    >>> pq.read_table(path).column("total").to_pylist()
-    [9007199254740993, 3]
-    """
-    shards, totals = _numpy_if_typed(shards), _numpy_if_typed(totals)
-    ids = _ids_array(shards)
-    table = pa.Table.from_arrays([ids, _totals_array(shards, totals)], names=["shard_id", "total"])
-    _write(path, table)
-
-
-def write_mean(path: str, means: Any) -> None:
-    """Write the P means to ``path`` as Parquet (``parameter``, ``mean``), atomically.
-
-    Args:
-        path: the output file.
-        means: P floats (a NumPy array or a list).
-    """
-    values = np.asarray(means, dtype=np.float64)
-    parameters = arrow.numbers_to_arrow(np.arange(len(values), dtype=np.int64))
-    _write(path, pa.Table.from_arrays([parameters, arrow.numbers_to_arrow(values)], names=["parameter", "mean"]))
-
-
-def _write(path: str, table: pa.Table) -> None:
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-
-
-def _numpy_if_typed(x: Any) -> Any:
-    """An ``array.array`` (the native backend's results) as a NumPy view, so no Python number is made per row.
-
-    An empty one too: as a list, an empty ``array("d")`` of totals would be written as int64.
-    """
-    return np.frombuffer(x, dtype=x.typecode) if type(x).__module__ == "array" else x
-
-
-def _ids_array(shards: Any) -> Any:
-    values = list(shards.tolist()) if isinstance(shards, np.ndarray) and shards.dtype.kind == "O" else shards
-    if isinstance(values, np.ndarray):
-        if values.dtype.kind in "iu":
-            return arrow.numbers_to_arrow(values.astype(np.int64, copy=False))
-        values = values.tolist()
-    kinds = set(map(type, values))  # (a set of types: C speed on 10^6 ids)
-    if values and (kinds <= {str} or all(isinstance(v, str) for v in values)):
-        return arrow.strings_to_arrow([str(v) for v in values] if kinds - {str} else values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return arrow.numbers_to_arrow(_int64(values, "shard id", values))
-    raise FormatError(
-        f"cannot write Parquet: shard ids must be all ints or all strings, got {sorted(k.__name__ for k in kinds)}"
-    )
-
-
-def _totals_array(shards: Any, totals: Any) -> Any:
-    if isinstance(totals, np.ndarray) and totals.dtype.kind in "if":
-        return arrow.numbers_to_arrow(totals.astype(np.float64 if totals.dtype.kind == "f" else np.int64))
-    values = totals.tolist() if isinstance(totals, np.ndarray) else list(totals)
-    shapes = {len(t) if isinstance(t, list) else None for t in values}
-    if len(shapes) > 1:
-        raise FormatError(
-            f"cannot write Parquet: the totals have different shapes ({_shapes(shapes)}); "
-            "one Parquet column holds one shape, so write JSON instead (-o FILE.json)"
-        )
-    flat = [x for t in values for x in (t if isinstance(t, list) else [t])]
-    shape = (len(values), *((shapes.pop(),) if shapes and shapes != {None} else ()))
-    names = list(shards.tolist() if isinstance(shards, np.ndarray) else shards)
-    if all(isinstance(x, int) for x in flat):
-        return arrow.numbers_to_arrow(_int64(flat, "total", names).reshape(shape))
-    _check_exact_as_float(flat, names, shape)
-    return arrow.numbers_to_arrow(np.array(flat, dtype=np.float64).reshape(shape))
-
-
-def _int64(values: list[Any], what: str, names: list[Any]) -> np.ndarray:
-    try:
-        return np.array(values, dtype=np.int64) if values else np.zeros(0, dtype=np.int64)
-    except OverflowError:
-        k = next(k for k, v in enumerate(values) if not -(2**63) <= v < 2**63)
-        per = max(1, len(values) // max(1, len(names)))
-        raise FormatError(
-            f"cannot write Parquet: the {what} {short_repr(values[k])} (shard {short_repr(names[k // per])}) "
-            "is beyond int64, which a "
-            "Parquet int64 column cannot hold; write JSON instead (-o FILE.json)"
-        ) from None
-
-
-def _check_exact_as_float(flat: list[Any], names: list[Any], shape: tuple[int, ...]) -> None:
-    """Integer totals beside float ones go into a float64 column only if float64 holds them exactly."""
-    per = int(shape[1]) if len(shape) == 2 else 1
-    for k, x in enumerate(flat):
-        if isinstance(x, int) and abs(x) > _EXACT:
-            raise FormatError(
-                f"cannot write Parquet: shard {short_repr(names[k // max(1, per)])} has the exact integer total "
-                f"{short_repr(x)}, "
-                "other totals are floats, and one Parquet column has one type: float64 would round it; "
-                "write JSON instead (-o FILE.json)"
-            )
-
-
-def _shapes(shapes: set[int | None]) -> str:
-    return ", ".join("scalar" if s is None else f"vector of {s}" for s in sorted(shapes, key=lambda s: s or -1))
+__all__ = ["check_footer", "check_row_group", "microbatch_batches", "owner_batches", "write_mean", "write_owner_sum"]

@@ -13,22 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from gradagg import engine as engine_module
 from gradagg import mutants, reference
-from gradagg.backends import _kernels
 from gradagg.engine import MicrobatchMeanAccumulator, microbatch_mean_columns
 from gradagg.errors import GradientShapeError, GradientTypeError, NonFiniteGradientError, RowShapeError
 
-IMPLS = ["numpy", "numpy-no-numba", "torch", "torch-ops", "python"]
+IMPLS = ["numpy", "torch", "python"]
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
     name = request.param
-    if name == "numpy-no-numba":
-        monkeypatch.setattr(_kernels, "ENABLED", False)
-    if name == "torch-ops":
-        monkeypatch.setattr(engine_module, "CPU_TENSORS_VIA_NUMPY", False)
     yield name
 
 

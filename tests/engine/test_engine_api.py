@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gradagg
+from gradagg import reference
 from gradagg.backends import numpy as numpy_backend
 from gradagg.backends import python as python_backend
 from gradagg.backends import torch as torch_backend
@@ -22,8 +23,8 @@ from gradagg.engine import (
     available_engines,
     microbatch_mean_columns,
     owner_sum_columns,
-    resolve_engine,
 )
+from gradagg.engine._route import resolve_engine
 from gradagg.errors import (
     FormatError,
     GradaggError,
@@ -48,7 +49,7 @@ def test_import_gradagg_loads_no_framework() -> None:
     """``import gradagg`` (and the engine module itself) imports neither NumPy nor torch."""
     out = python(
         "import sys, gradagg, gradagg.engine, gradagg.backends; "
-        "print(sorted(m for m in ('numpy', 'torch', 'pyarrow', 'numba') if m in sys.modules))"
+        "print(sorted(m for m in ('numpy', 'torch', 'pyarrow') if m in sys.modules))"
     )
     assert out == "[]"
 
@@ -119,13 +120,18 @@ def test_owner_sum_errors_name_where_and_what(
 
 
 def test_accumulator_rejects_a_batch_that_changes_kind() -> None:
-    """Str ids after an integer table are refused at once; ints after str ids are held as keys, so the two can
-    only fail to be ordered at the end (as in the reference, once both have owner rows); vectors after scalars
-    are a shape error."""
+    """Str ids (or ints beyond int64) after an integer table, and ints after str ids, are held as keys, so ints
+    and strs can only fail to be ordered at the end (as in the reference, once both have owner rows); ints after
+    a <U array are refused at once; vectors after scalars are a shape error."""
     acc = OwnerSumAccumulator()
     acc.update(np.array([1]), np.array([0]), np.array([0]), np.array([1.0]))
-    with pytest.raises(UnorderableShardError, match="row 1: shard ids are str .a <U array. in this batch but int"):
-        acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([1.0]))
+    acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([1.0]))
+    with pytest.raises(UnorderableShardError, match=r"shard ids 1 \(int\) and 'a' \(str\)"):
+        acc.result()
+    acc = OwnerSumAccumulator()
+    acc.update(np.array([1]), np.array([0]), np.array([1]), np.array([1.0]))  # a replica: never counted
+    acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([1.0]))
+    assert [x.tolist() for x in acc.result()] == [["a"], [1.0]]
     acc = OwnerSumAccumulator()
     acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([1.0]))
     with pytest.raises(UnorderableShardError, match="row 1: shard ids are int in this batch but str .a <U array."):
@@ -216,3 +222,55 @@ def test_benchmark_script_quick_smoke(capsys: pytest.CaptureFixture[str], monkey
     out = capsys.readouterr().out
     for name in ("memory-read floor", "gradagg auto", "pandas groupby", "Polars lazy", "DuckDB SQL"):
         assert name in out
+
+
+@pytest.mark.parametrize("engine", ["python", "numpy", "torch"])
+@pytest.mark.parametrize("gradients", [[2**63, 1], [2**64, -(2**64) + 3], [-(2**63) - 1, 0]])
+def test_integers_beyond_int64_are_exact_or_refused(engine: str, gradients: list[int]) -> None:
+    """The reference sums Python ints exactly (2**63 + 1 = 9223372036854775809): the python engine gives that
+    int, the fixed-width engines refuse by name; never a rounded float."""
+    want = reference.owner_sum([[1, 0, 0, g] for g in gradients])
+    try:
+        shards, totals = owner_sum_columns([1] * len(gradients), [0] * len(gradients), [0] * len(gradients),
+                                           gradients, engine=engine)
+    except GradaggError as exc:
+        assert engine != "python" and "int64" in str(exc), str(exc)
+        return
+    got = [[s, t] for s, t in zip(shards.tolist(), totals.tolist())]
+    assert got == want and all(type(t) is int for _, t in got), (got, want)
+
+
+@pytest.mark.parametrize("engine", ["python", "numpy", "torch"])
+@pytest.mark.parametrize("mask_shape", [(2, 2), (3, 3), (2, 4), (1, 3), (2,)])
+def test_a_mask_of_another_shape_is_refused(engine: str, mask_shape: tuple[int, ...]) -> None:
+    """values (2, 3) with a present mask of any other shape: every engine refuses, naming both shapes."""
+    values = np.ones((2, 3))
+    with pytest.raises(RowShapeError, match=r"present has shape .* values have shape \(2, 3\)"):
+        microbatch_mean_columns(values, np.ones(mask_shape, dtype=bool), engine=engine)
+    with pytest.raises(RowShapeError, match=r"present has shape"):
+        microbatch_mean_columns(torch.ones(2, 3), torch.ones(mask_shape, dtype=torch.bool), engine=engine)
+
+
+@pytest.mark.parametrize(("missing", "engine", "extra"), [("numpy", "numpy", "numpy"), ("torch", "torch", "torch"),
+                                                          ("numpy", "torch", "torch")])
+def test_an_engine_whose_framework_is_missing_says_what_to_install(missing: str, engine: str, extra: str) -> None:
+    """With the framework's import failing (None in sys.modules, as if not installed), asking for its engine is
+    one GradaggError line naming the package and the install; "auto" falls back to the reference."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from gradagg import engine\n"
+        "from gradagg.errors import GradaggError\n"
+        "print(engine.available_engines())\n"
+        "print(engine.owner_sum_rows([[1, 0, 0, 2.0]]))\n"
+        "for call in (lambda: engine.owner_sum_rows([[1, 0, 0, 2.0]], engine=E),\n"
+        "             lambda: engine.microbatch_mean_columns([[1.0]], engine=E)):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except GradaggError as exc:\n"
+        "        print(exc)\n"
+    ).replace("E)", f"{engine!r})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert missing not in lines[0] and lines[1] == "[[1, 2.0]]", out
+    want = f"engine={engine!r} needs {missing}, which is not installed; install it with: pip install 'gradagg[{extra}]'"
+    assert lines[2:] == [want, want], out
