@@ -32,19 +32,19 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import sys
+import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from gradagg.errors import CollectiveError
+from gradagg.testing.guard import check_main_guard, reference
+from gradagg.testing.rank import rank_main
 
 _PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]
 _GRACE_S = 5.0  # after the deadline, how long a rank may take to exit before it is killed
@@ -119,23 +119,72 @@ def launch_local_world(
     >>> [(o.rank, o.ok, o.value) for o in outcomes]  # doctest: +SKIP
     [(0, True, 0), (1, True, 1)]
     """
-    ref = _reference(fn)
+    check_main_guard()
+    ref = reference(fn)
     ctx = _context(preload)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
-    results: Any = ctx.Queue()
-    spec = (ref, world_size, store.port, backend, collective_timeout_s, timeout_s, list(sys.path), dict(env or {}))
-    blob = pickle.dumps(args)
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, spec, blob, results), daemon=True) for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    got, killed = _collect(results, procs, time.monotonic() + timeout_s)
-    outcomes = [_outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(world_size)]
+    spec = (ref, world_size, store.port, backend, collective_timeout_s, timeout_s, list(sys.path), dict(env or {}),
+            os.getcwd())
+    outcomes = _run_processes(ctx, spec, pickle.dumps(args), world_size, timeout_s)
     del store  # the rendezvous store lives exactly as long as the world
     return outcomes
+
+
+def launch_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+                   preload: Sequence[str] = ()) -> RankOutcome:
+    """Run ``fn(*args)`` in one fresh process of the fork server, with no process group, under a deadline.
+
+    For code that must not run in this process: it may hang (killed at the deadline), start threads
+    that never end, change the working directory or close its streams. The process runs in a session
+    of its own, ended with the call, so nothing it started outlives it.
+
+    Args:
+        fn: a module-level function of an importable module; its return value must be picklable.
+        *args: picklable arguments.
+        timeout_s: the deadline, start-up included.
+        preload: as for :func:`launch_local_world`.
+
+    Returns:
+        Its :class:`RankOutcome` (rank 0).
+
+    >>> launch_process(os.getpid).ok  # doctest: +SKIP
+    True
+    """
+    check_main_guard()
+    spec: tuple[Any, ...] = (reference(fn), 1, 0, None, 0.0, timeout_s, list(sys.path), {}, os.getcwd())
+    return _run_processes(_context(preload), spec, pickle.dumps(args), 1, timeout_s)[0]
+
+
+def _run_processes(ctx: Any, spec: tuple[Any, ...], blob: bytes, n: int, timeout_s: float) -> list[RankOutcome]:
+    """Start ``n`` ranks, collect their results until the deadline, then end their sessions, whatever happened."""
+    results: Any = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(rank, spec, blob, results), daemon=True) for rank in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        got, killed = _collect(results, procs, time.monotonic() + timeout_s)
+        return [_outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(n)]
+    finally:
+        _end_sessions(procs)
+
+
+def _end_sessions(procs: list[Any]) -> None:
+    """Kill what is left of each rank's session (the rank itself on an interrupt; whatever it started).
+
+    A rank's session is named by its pid and lives while any of its processes does, so this reaches a
+    child the step left running (which would hold our stdout open), never a process of anyone else.
+    """
+    for p in procs:
+        if p.pid is None:
+            continue
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing of that session is left
+        if p.is_alive():
+            p.join(timeout=1.0)
 
 
 def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
@@ -216,26 +265,46 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: An
 
 
 def _context(preload: Sequence[str]) -> Any:
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main_file is not None and not os.path.exists(main_file):
-        # multiprocessing re-imports the parent's __main__ in every child, by path
-        raise CollectiveError(f"cannot start ranks from a __main__ that is not a file ({main_file!r}); run a script")
     ctx = multiprocessing.get_context("forkserver")
     # Only effective before the server starts (first world of this process); later worlds reuse it.
     ctx.set_forkserver_preload(_PRELOAD + [m for m in preload if m not in _PRELOAD])
+    _start_server_deaf_to_ctrl_c()
     return ctx
 
 
-def _reference(fn: Callable[..., Any]) -> tuple[str, str]:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if module == "__main__":
-        main_file = getattr(sys.modules["__main__"], "__file__", None)
-        if main_file is None:
-            raise CollectiveError(f"worker {qualname!r} lives in an interactive __main__; move it to a module")
-        module = Path(main_file).stem  # run by path: the script's folder is sys.path[0] in every rank
-    if module is None or "<locals>" in qualname or "<lambda>" in qualname:
-        raise CollectiveError(f"worker {qualname!r} must be a module-level function of an importable module")
-    return module, qualname
+def _start_server_deaf_to_ctrl_c() -> None:
+    """Start the fork server with SIGINT ignored (a disposition it inherits, and its ranks after it), in the
+    standard library's folder.
+
+    The server imports torch for seconds before it sets its own handler; a Ctrl-C meanwhile printed its
+    traceback after the parent's one line. The parent alone handles Ctrl-C and ends the ranks. The server
+    is ``python -c``, whose ``sys.path`` starts with its working folder: started in the user's, a
+    ``random.py`` there shadowed the standard library's (each rank then moves to the parent's folder).
+    """
+    import multiprocessing.forkserver as forkserver
+
+    here, path = os.getcwd(), os.environ.get("PYTHONPATH")
+    # The server preloads gradagg: this gradagg, found by an absolute path wherever the server runs (a
+    # relative PYTHONPATH entry would resolve in the standard library's folder there). Each rank then
+    # takes the parent's whole sys.path.
+    root = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
+    os.chdir(os.path.dirname(os.__file__))
+    try:
+        if threading.current_thread() is not threading.main_thread():
+            forkserver.ensure_running()  # signal handlers can only be changed in the main thread
+            return
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    finally:
+        os.chdir(here)
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
 
 
 def _name(fn: Callable[..., Any]) -> str:
@@ -306,68 +375,3 @@ def _death(code: int | None, killed: bool) -> str:
 def _last_line(text: str | None) -> str:
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else "unknown error"
-
-
-# --- rank side -------------------------------------------------------------------
-
-
-def _rank_main(rank: int, spec: tuple[Any, ...], blob: bytes, results: Any) -> None:
-    (module, qualname), world, port, backend, coll_s, start_s, sys_path, env = spec
-    try:
-        _prepare(sys_path, env, world, port)
-        fn = _resolve(module, qualname)
-        args = pickle.loads(blob)
-        _join(rank, world, port, backend, coll_s, start_s)
-        # pickled here, not by the queue's feeder thread, so that an unpicklable result is reported
-        results.put((rank, True, pickle.dumps(fn(*args))))
-    except BaseException:  # report everything, SystemExit included: the parent names it
-        results.put((rank, False, traceback.format_exc()))
-    results.close()
-    results.join_thread()  # flush the result to the pipe before the hard exit below
-    os._exit(0)
-
-
-def _prepare(sys_path: list[str], env: dict[str, str], world: int, port: int) -> None:
-    sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    if _has_interface("lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the gloo group is created: loopback only
-    os.environ.update(env)
-    if hasattr(dist, "set_debug_level_from_env"):
-        dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read at import: the server's, not ours
-    # share the cores instead of oversubscribing them (each rank would start one thread per core)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-
-
-def _resolve(module: str, qualname: str) -> Callable[..., Any]:
-    import importlib
-
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
-
-
-def _join(rank: int, world: int, port: int, backend: str, coll_s: float, start_s: float) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=start_s)
-    )
-    # Start-up (fork, imports) may be slow on a loaded machine: wait for every rank on the store, with the
-    # long timeout; then create the group with the short one, which every later collective keeps. All
-    # public API (no private timeout setter); the connect itself is fast once every rank is there.
-    if store.add("gradagg/joined", 1) == world:
-        store.set("gradagg/all-joined", "1")
-    store.wait(["gradagg/all-joined"], datetime.timedelta(seconds=start_s))
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=coll_s)
-    )
-    dist.barrier()
-
-
-def _has_interface(name: str) -> bool:
-    try:
-        return any(n == name for _, n in socket.if_nameindex())
-    except OSError:
-        return False
