@@ -26,6 +26,7 @@ what each rank returns. Design choices, each for a trap met in practice:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -35,7 +36,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,12 +163,34 @@ def _run_processes(ctx: Any, spec: tuple[Any, ...], blob: bytes, n: int, timeout
     results: Any = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(rank, spec, blob, results), daemon=True) for rank in range(n)]
     try:
-        for p in procs:
-            p.start()
+        with _ctrl_c_deferred():
+            for p in procs:
+                p.start()
         got, killed = _collect(results, procs, time.monotonic() + timeout_s)
         return [_outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(n)]
     finally:
         _end_sessions(procs)
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C back until every rank has started, so that each one has a pid to be killed by.
+
+    Interrupted halfway, a rank the server had forked but whose pid had not come back went on alone,
+    and printed a traceback once this process was gone. Delivered after the block, the interrupt ends
+    every rank in :func:`_end_sessions`.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed in the main thread
+        return
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted and callable(previous):
+        previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
 
 
 def _end_sessions(procs: list[Any]) -> None:
@@ -179,6 +202,10 @@ def _end_sessions(procs: list[Any]) -> None:
     for p in procs:
         if p.pid is None:
             continue
+        if p.is_alive():
+            # Interrupted, or still starting: a rank not yet in its own session (it is unpickling its
+            # arguments) would otherwise go on, and print a traceback once this process is gone.
+            p.kill()
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -273,8 +300,8 @@ def _context(preload: Sequence[str]) -> Any:
 
 
 def _start_server_deaf_to_ctrl_c() -> None:
-    """Start the fork server with SIGINT ignored (a disposition it inherits, and its ranks after it), in the
-    standard library's folder.
+    """Start the fork server with SIGINT ignored (a disposition it inherits, and its ranks after it), in
+    the standard library's folder.
 
     The server imports torch for seconds before it sets its own handler; a Ctrl-C meanwhile printed its
     traceback after the parent's one line. The parent alone handles Ctrl-C and ends the ranks. The server
@@ -294,6 +321,8 @@ def _start_server_deaf_to_ctrl_c() -> None:
         if threading.current_thread() is not threading.main_thread():
             forkserver.ensure_running()  # signal handlers can only be changed in the main thread
             return
+        # Ignored while the server is spawned: an ignored signal stays ignored across exec (a handler
+        # does not), so the server starts deaf to it. A Ctrl-C in those few milliseconds is lost.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()
