@@ -15,8 +15,8 @@ from gradagg.parity.types import Layout, ParityReport, TruthResult
 DEFAULT_TIMEOUT_S = 60.0  # one world, start-up included: a hung step fails its layout after this long
 # A rank blocked in a collective whose peer hangs (without exiting) gives up after this long.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
-# DistributedDataParallel imports torch._dynamo on first use, 2 s per rank and world; the fork server
-# imports it once instead. Only the first world of a process starts the server (the tests' worlds
+# DistributedDataParallel imports torch._dynamo on first use, a slow import in every rank of every world;
+# the fork server imports it once instead. Only the first world of a process starts the server (the tests' worlds
 # preload the same module).
 _PRELOAD = ("torch._dynamo",)
 

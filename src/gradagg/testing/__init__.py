@@ -5,7 +5,7 @@ any launcher) gives it. This module starts one on one machine and collects
 what each rank returns. Design choices, each for a trap met in practice:
 
 * **forkserver with torch preloaded**: the server imports torch once; each rank
-  is a fork of it (about 0.1 s instead of seconds of ``import torch``). The
+  is a fork of it (a fork instead of an ``import torch`` per rank). The
   server is started once per parent process and reused by every later world.
 * **the server's environment is frozen** when it starts, so each rank receives
   what it needs explicitly: the parent's *current* ``sys.path`` (pytest's
@@ -105,7 +105,7 @@ def launch_local_world(
             torch reads only when it is imported are already fixed in the fork server (started once, with
             the parent's environment at that time); ``TORCH_DISTRIBUTED_DEBUG`` is re-read for you.
         preload: more modules for the fork server to import once, besides torch (e.g. ``"torch._dynamo"``,
-            which ``DistributedDataParallel`` imports on first use: 2 s per rank otherwise). Only the first
+            which ``DistributedDataParallel`` imports on first use, slowly, in every rank). Only the first
             world of a process starts the server, so pass the same list every time.
 
     Returns:
