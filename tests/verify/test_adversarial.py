@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradagg import mutants
 from gradagg.errors import GradaggError
 from gradagg.reference import microbatch_mean, owner_sum
-from gradagg.verify import cases, fresh_cases, run_checks, run_checks_isolated
+from gradagg.verify import cases, fresh_cases, observations, run_checks, run_checks_isolated
 
 # Looks an answer up in the checker's own, public, case list: what a forger has without computing anything.
 _LOOKUP = '''
@@ -198,3 +200,31 @@ def _gone(pid: int) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(st.binary(max_size=400) | st.lists(st.sampled_from([
+    b'{"imported": true}', b'{"case": 0, "ok": true, "value": 1}', b'{"case": -1, "ok": true}', b'[1, 2]',
+    b'{"case": 1e400}', b'{"import_error": 3}', b'{"case": 0, "ok": "yes"}', b'\xff\xfe', b'{"case": 0',
+    b'{"case": 99, "ok": true, "value": null}', b'NaN', b'[' * 5000]), max_size=8).map(b"\n".join))
+def test_whatever_the_child_writes_the_parent_reads_it_without_raising(data: bytes) -> None:
+    """Bytes that are not the protocol (cut short, not JSON, deep, forged) are read as unanswered checks."""
+    from gradagg.verify.isolate import _parse
+
+    records = _parse(data, 3)
+    for key, value in records.items():
+        assert key in ("imported", "import_error") or (type(key) is int and 0 <= key < 3)
+        if type(key) is int:
+            assert type(value[0]) is bool
+
+
+def test_forged_answers_to_the_published_checks_never_pass_the_fresh_twins() -> None:
+    """Whatever a forger sends for the published checks, the twins' expectations are not among them."""
+    rng = random.Random(7)
+    for contract in ("owner-sum", "microbatch-mean"):
+        published = cases(contract)  # type: ignore[arg-type]
+        for _ in range(20):
+            twins = fresh_cases(contract, rng.getrandbits(32))  # type: ignore[arg-type]
+            forged = [(True, expected) for _, _, expected in published]
+            report = observations(twins, forged)
+            assert not report["passed"]
