@@ -22,59 +22,35 @@ what each rank returns. Design choices, each for a trap met in practice:
 * results come back on a queue that each rank flushes (``join_thread``)
   before ``os._exit``, which skips interpreter teardown (it can block on a
   process group whose peer died).
+* **every rank in a session of its own**, killed with the world: whatever a
+  rank starts (a child that keeps our output open) ends with it, and a
+  terminal's Ctrl-C reaches the parent alone (the server is started deaf to
+  it, and the ranks are all started before an interrupt is taken).
+* **the main guard is checked first** (:mod:`gradagg.testing.guard`): each
+  rank imports the parent's script again, so a call at its top level would
+  start a world in every rank; it is refused with one :class:`GradaggError`.
+
+:func:`launch_process` runs one function the same way, with no process group:
+code that must not run in the caller's process, under a deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import multiprocessing
 import os
 import pickle
-import queue
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from gradagg.errors import CollectiveError
 from gradagg.testing.guard import check_main_guard, reference
+from gradagg.testing.outcomes import RankOutcome, collect, outcome
 from gradagg.testing.rank import rank_main
-
-_PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]
-_GRACE_S = 5.0  # after the deadline, how long a rank may take to exit before it is killed
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """How one rank of a local world ended.
-
-    Attributes:
-        rank: the rank.
-        value: what the worker function returned (None if it failed).
-        error: None on success; else the worker's traceback, or how the process died.
-        exitcode: the process exit code (None if it had to be killed after the deadline).
-    """
-
-    rank: int
-    value: Any
-    error: str | None
-    exitcode: int | None
-
-    @property
-    def ok(self) -> bool:
-        """Whether the worker returned normally.
-
-        >>> RankOutcome(rank=1, value=None, error="rank 1 exited with code 3 without returning a result", exitcode=3).ok
-        False
-        """
-        return self.error is None
+from gradagg.testing.server import context, ctrl_c_deferred, end_sessions
 
 
 def launch_local_world(
@@ -122,7 +98,7 @@ def launch_local_world(
     """
     check_main_guard()
     ref = reference(fn)
-    ctx = _context(preload)
+    ctx = context(preload)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
@@ -155,7 +131,7 @@ def launch_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
     """
     check_main_guard()
     spec: tuple[Any, ...] = (reference(fn), 1, 0, None, 0.0, timeout_s, list(sys.path), {}, os.getcwd())
-    return _run_processes(_context(preload), spec, pickle.dumps(args), 1, timeout_s)[0]
+    return _run_processes(context(preload), spec, pickle.dumps(args), 1, timeout_s)[0]
 
 
 def _run_processes(ctx: Any, spec: tuple[Any, ...], blob: bytes, n: int, timeout_s: float) -> list[RankOutcome]:
@@ -163,55 +139,13 @@ def _run_processes(ctx: Any, spec: tuple[Any, ...], blob: bytes, n: int, timeout
     results: Any = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(rank, spec, blob, results), daemon=True) for rank in range(n)]
     try:
-        with _ctrl_c_deferred():
+        with ctrl_c_deferred():
             for p in procs:
                 p.start()
-        got, killed = _collect(results, procs, time.monotonic() + timeout_s)
-        return [_outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(n)]
+        got, killed = collect(results, procs, time.monotonic() + timeout_s)
+        return [outcome(rank, got.get(rank), procs[rank], rank in killed) for rank in range(n)]
     finally:
-        _end_sessions(procs)
-
-
-@contextlib.contextmanager
-def _ctrl_c_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C back until every rank has started, so that each one has a pid to be killed by.
-
-    Interrupted halfway, a rank the server had forked but whose pid had not come back went on alone,
-    and printed a traceback once this process was gone. Delivered after the block, the interrupt ends
-    every rank in :func:`_end_sessions`.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be changed in the main thread
-        return
-    interrupted: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if interrupted and callable(previous):
-        previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
-
-
-def _end_sessions(procs: list[Any]) -> None:
-    """Kill what is left of each rank's session (the rank itself on an interrupt; whatever it started).
-
-    A rank's session is named by its pid and lives while any of its processes does, so this reaches a
-    child the step left running (which would hold our stdout open), never a process of anyone else.
-    """
-    for p in procs:
-        if p.pid is None:
-            continue
-        if p.is_alive():
-            # Interrupted, or still starting: a rank not yet in its own session (it is unpickling its
-            # arguments) would otherwise go on, and print a traceback once this process is gone.
-            p.kill()
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass  # nothing of that session is left
-        if p.is_alive():
-            p.join(timeout=1.0)
+        end_sessions(procs)
 
 
 def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: Any) -> list[Any]:
@@ -291,116 +225,14 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: An
 # --- parent side -------------------------------------------------------------
 
 
-def _context(preload: Sequence[str]) -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    # Only effective before the server starts (first world of this process); later worlds reuse it.
-    ctx.set_forkserver_preload(_PRELOAD + [m for m in preload if m not in _PRELOAD])
-    _start_server_deaf_to_ctrl_c()
-    return ctx
-
-
-def _start_server_deaf_to_ctrl_c() -> None:
-    """Start the fork server with SIGINT ignored (a disposition it inherits, and its ranks after it), in
-    the standard library's folder.
-
-    The server imports torch for seconds before it sets its own handler; a Ctrl-C meanwhile printed its
-    traceback after the parent's one line. The parent alone handles Ctrl-C and ends the ranks. The server
-    is ``python -c``, whose ``sys.path`` starts with its working folder: started in the user's, a
-    ``random.py`` there shadowed the standard library's (each rank then moves to the parent's folder).
-    """
-    import multiprocessing.forkserver as forkserver
-
-    here, path = os.getcwd(), os.environ.get("PYTHONPATH")
-    # The server preloads gradagg: this gradagg, found by an absolute path wherever the server runs (a
-    # relative PYTHONPATH entry would resolve in the standard library's folder there). Each rank then
-    # takes the parent's whole sys.path.
-    root = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, path) if p)
-    os.chdir(os.path.dirname(os.__file__))
-    try:
-        if threading.current_thread() is not threading.main_thread():
-            forkserver.ensure_running()  # signal handlers can only be changed in the main thread
-            return
-        # Ignored while the server is spawned: an ignored signal stays ignored across exec (a handler
-        # does not), so the server starts deaf to it. A Ctrl-C in those few milliseconds is lost.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    finally:
-        os.chdir(here)
-        if path is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = path
-
-
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
-
-
-def _collect(results: Any, procs: list[Any], deadline: float) -> tuple[dict[int, tuple[bool, Any]], set[int]]:
-    """Each rank's (ok, payload) as it arrives until the deadline; then the ranks killed for missing it."""
-    got: dict[int, tuple[bool, Any]] = {}
-    while len(got) < len(procs) and time.monotonic() < deadline:
-        try:
-            rank, ok, payload = results.get(timeout=0.05)
-            got[rank] = (ok, payload)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                _drain(results, got)  # every rank exited: one last look for results flushed just before exit
-                return got, set()
-    killed: set[int] = set()
-    for rank, p in enumerate(procs):
-        # The grace after the deadline; once a rank is killed, one it held in a collective gets a second to
-        # fail and exit by itself.
-        grace = min(_GRACE_S, max(0.0, deadline + _GRACE_S - time.monotonic()))
-        p.join(timeout=max(grace, 1.0 if killed else 0.1))
-        if p.is_alive():
-            p.kill()  # ours, past the deadline
-            p.join(timeout=1.0)
-            killed.add(rank)
-    if len(got) < len(procs):
-        # A rank that waited for a killed one (on a group with torch's 30-minute timeout) fails once its peer
-        # is gone, after the deadline: its result is in the pipe all the same.
-        _drain(results, got)
-    return got, killed
-
-
-def _drain(results: Any, got: dict[int, tuple[bool, Any]]) -> None:
-    while True:
-        try:
-            rank, ok, payload = results.get(timeout=0.2)
-            got[rank] = (ok, payload)
-        except queue.Empty:
-            return
-
-
-def _outcome(rank: int, got: tuple[bool, Any] | None, proc: Any, killed: bool) -> RankOutcome:
-    code = proc.exitcode
-    if got is None:
-        return RankOutcome(rank, None, f"rank {rank} {_death(code, killed)} without returning a result", code)
-    ok, payload = got
-    return RankOutcome(rank, pickle.loads(payload) if ok else None, None if ok else str(payload), code)
-
-
-def _death(code: int | None, killed: bool) -> str:
-    """How a rank that returned nothing ended: killed by us at the deadline, a signal of its own, or an exit code.
-
-    >>> _death(-6, killed=False)
-    'died of SIGABRT'
-    """
-    if killed or code is None:
-        return "did not finish before the deadline (killed)"
-    if code < 0:  # a signal that we did not send: a C++ abort (gloo's checks), a crash, the OOM killer
-        try:
-            return f"died of {signal.Signals(-code).name}"
-        except ValueError:
-            return f"died of signal {-code}"
-    return f"exited with code {code}"
 
 
 def _last_line(text: str | None) -> str:
     lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
     return lines[-1].strip() if lines else "unknown error"
+
+
+__all__ = ["RankOutcome", "launch_local_world", "launch_process", "launched_by_torchrun", "run_local_world",
+           "run_world"]
