@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+import gradagg
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -36,3 +39,18 @@ EXAMPLE_RESULTS = [
 @pytest.mark.parametrize(("contract", "name", "expected"), EXAMPLE_RESULTS, ids=[e[1] for e in EXAMPLE_RESULTS])
 def test_data_examples_give_their_result(cli: Callable[..., Any], contract: str, name: str, expected: list) -> None:
     assert json.loads(cli(contract, str(EXAMPLES / name)).ok()) == expected
+
+
+def test_the_readme_run_world_block_runs_when_pasted_into_a_file(tmp_path: Path) -> None:
+    """The README's first training block, saved as a file and run with ``python``, prints what its comment says."""
+    pytest.importorskip("torch")
+    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
+    block = next(b for b in blocks if "from gradagg.testing import run_world" in b)
+    expected = block.rsplit("# ", 1)[1].strip()
+    (tmp_path / "pasted.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(Path(gradagg.__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "pasted.py"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected

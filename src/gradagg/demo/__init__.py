@@ -39,6 +39,7 @@ import time
 
 from gradagg.demo import launch, options, results
 from gradagg.demo.options import add_arguments
+from gradagg.errors import GradaggError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         The exit status: 0 or 1. Every rank of a given world returns the same one.
 
     Raises:
-        GradaggError: bad options (the CLI prints one line and exits 2), or a rank that failed.
+        GradaggError: torch is not installed, bad options (the CLI prints one line and exits 2), or a rank
+            that failed.
 
     >>> p = argparse.ArgumentParser(); add_arguments(p)
     >>> run(p.parse_args(["--steps", "0"]))
@@ -62,24 +64,65 @@ def run(args: argparse.Namespace) -> int:
 
     given = launch.given_world()
     cfg = options.config(args, given)
-    if given is None or given[0] == 0:
+    require_torch()
+    leader = given is None or given[0] == 0
+    plotting = leader and plot_available()
+    if plotting:
         options.prepare_plot_path(args.plot)  # before training, so that a bad path costs no wait
     start = time.perf_counter()
-    rank, outcome = launch.run_in_given_world(cfg) if given else (0, launch.run_local(cfg))
+    rank, outcome = demonstrate(cfg, given)
     world_s = time.perf_counter() - start
     # Errors are all-reduced (max over ranks) inside the run, so every rank reaches the same verdict.
-    ok = results.passed(outcome)
     if rank == 0:
         where = "the given world" if given else "127.0.0.1"
         print_outcome(outcome, cfg.counts, cfg.seed, cfg.steps, quiet=args.quiet, where=where)
-        from gradagg.demo.plot import write_plot
-
-        write_plot(args.plot, outcome, cfg.counts)
-        print(f"plot: {args.plot}")
+        _plot(args.plot, outcome, cfg.counts, plotting)
         print(f"time: {time.perf_counter() - start:.1f} s (training {outcome.train_s:.1f} s; start-up "
               f"{world_s - outcome.train_s:.1f} s: torch imports, processes, gloo; output and plot "
               f"{time.perf_counter() - start - world_s:.1f} s)")
-    return 0 if ok else 1
+    return 0 if results.passed(outcome) else 1
 
 
-__all__ = ["add_arguments", "run"]
+def demonstrate(cfg: options.Config, given: tuple[int, int] | None = None) -> tuple[int, results.Outcome]:
+    """Train every case of ``cfg`` in the given world, or in a new local one; print nothing.
+
+    Args:
+        cfg: the configuration (see :func:`gradagg.demo.options.config`).
+        given: (rank, world size) of a world this process is already in, or None to start one.
+
+    Returns:
+        ``(this rank, its outcome)``: the per-step errors and losses of every approach, maxima over ranks.
+    """
+    return launch.run_in_given_world(cfg) if given else (0, launch.run_local(cfg))
+
+
+def require_torch() -> None:
+    """Raise a one-line :class:`GradaggError` with the install hint when torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GradaggError("gradagg demo needs torch: pip install 'gradagg[torch]' (on Linux that is a CUDA build "
+                           "of about 2 GB; for the CPU one, first pip install torch --index-url "
+                           "https://download.pytorch.org/whl/cpu)") from None
+
+
+def plot_available() -> bool:
+    """Whether matplotlib can be imported (the plot is skipped, saying so, when it cannot)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _plot(path: str, outcome: results.Outcome, counts: tuple[int, ...], plotting: bool) -> None:
+    if not plotting:
+        print("plot: skipped: matplotlib is not installed (pip install 'gradagg[plot]')")
+        return
+    from gradagg.demo.plot import write_plot
+
+    write_plot(path, outcome, counts)
+    print(f"plot: {path}")
+
+
+__all__ = ["add_arguments", "demonstrate", "run"]

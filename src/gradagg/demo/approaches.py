@@ -178,8 +178,8 @@ class GradaggRun(ABC):
     def update(self) -> None:
         """One plain SGD step, then the model's gradients back to None, as the next window requires.
 
-        By hand rather than ``torch.optim.SGD``, whose first step imports ``torch._dynamo`` (5 s per rank
-        here, longer than the training); the same update, and on DTensors under FSDP2 as well.
+        By hand rather than ``torch.optim.SGD``, whose first step imports ``torch._dynamo`` in every rank
+        (slower than the whole training); the same update, and on DTensors under FSDP2 as well.
         """
         with torch.no_grad():
             for p in self.params:

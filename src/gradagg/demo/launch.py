@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 TIMEOUT_S = 30.0  # collective timeout: a dead peer fails the demo in seconds instead of hanging it
 START_S = 120.0  # the whole local world, start-up included
-# Modules the ranks would otherwise each import on first use (DDP imports torch._dynamo: ~2 s per rank).
+# Modules the ranks would otherwise each import on first use (DDP imports torch._dynamo, a slow import).
 _PRELOAD = {"none": [], "ddp": ["torch._dynamo"], "fsdp": ["torch.distributed.fsdp", "torch.distributed.tensor"]}
 
 

@@ -12,6 +12,8 @@ CASES = ("tokens", "moe")
 """``tokens``: token-weighted language model; ``moe``: mixture of experts with a replicated, owned parameter."""
 WRAPS = ("none", "ddp", "fsdp")
 """How gradagg's model copy is wrapped: a plain module, ``DistributedDataParallel``, or FSDP2 ``fully_shard``."""
+WRAP_NAMES = {"none": "a plain module", "ddp": "DistributedDataParallel", "fsdp": "FSDP2 (fully_shard, sharded grads)"}
+"""What each ``--wrap`` value is, in words, for the report and the plot's title."""
 DEFAULT_PLOT = os.path.join("out", "demo_loss.png")
 MAX_LOCAL_WORLD = 16  # processes on one machine, each with its own torch: beyond that, use torchrun
 
@@ -96,7 +98,7 @@ def config(args: argparse.Namespace, given: tuple[int, int] | None) -> Config:
     >>> config(ns, None).counts
     (2, 4)
     """
-    world = given[1] if given else (args.world_size or 2)
+    world = given[1] if given else (2 if args.world_size is None else args.world_size)
     if given and args.world_size not in (None, world):
         raise GradaggError(f"--world-size {args.world_size} given, but this process is in a world of {world} ranks")
     if world < 2:

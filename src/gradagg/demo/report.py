@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from gradagg.demo import results
+from gradagg.demo.options import WRAP_NAMES
 from gradagg.demo.results import GRADAGG, CaseResult, Outcome, StepRecord
-
-WRAPPED = {"none": "a plain module", "ddp": "DistributedDataParallel", "fsdp": "FSDP2 (fully_shard, sharded grads)"}
 
 
 def print_outcome(outcome: Outcome, counts: tuple[int, ...], seed: int, steps: int, *, quiet: bool, where: str) -> None:
@@ -20,7 +19,7 @@ def print_outcome(outcome: Outcome, counts: tuple[int, ...], seed: int, steps: i
         where: where the world ran, for the first line.
     """
     print(f"gradagg demo: {outcome.world_size} gloo processes on {where}; microbatches per rank {list(counts)}, "
-          f"M = {sum(counts)}; float64; seed {seed}; {steps} steps\ngradagg's model: {WRAPPED[outcome.wrap]}")
+          f"M = {sum(counts)}; float64; seed {seed}; {steps} steps\ngradagg's model: {WRAP_NAMES[outcome.wrap]}")
     for case in outcome.cases:
         print_case(case, quiet=quiet)
     ok = results.passed(outcome)
@@ -47,7 +46,7 @@ def print_steps(case: CaseResult) -> None:
     print(f"{'step':>4}  {'loss':>8}  " + "  ".join(f"{a.short:>11}" for a in case.approaches))
     for r in case.records:
         errors = "  ".join(f"{r.error[a.name]:>11.1e}" for a in case.approaches)
-        print(f"{r.step:>4}  {r.loss[GRADAGG]:>8.5f}  {errors}")
+        print(f"{r.step:>4}  {fit(r.loss[GRADAGG], 8)}  {errors}")
     print("(loss: gradagg's held-out loss before the step)")
 
 
@@ -61,13 +60,31 @@ def print_summary(case: CaseResult) -> None:
     for a in case.approaches:
         error = case.max_error(a.name)
         verdict = "exact" if error <= results.TOLERANCE else "WRONG"
-        print(f"{a.name:<{width}}  {error:>9.1e}  {verdict:<7}  {case.final_loss[a.name]:>10.5f}  "
+        print(f"{a.name:<{width}}  {error:>9.1e}  {verdict:<7}  {fit(case.final_loss[a.name], 10)}  "
               f"{off_parameters(case.records, a.name)}")
     print("why:")
     for a in case.approaches:
         print(f"  {a.name:<{width}}  {a.why}")
     if case.case == "moe":
         print("(step 0 has no stale head_b replica yet, so the two replica mistakes happen to be right there)")
+
+
+def fit(x: float, width: int) -> str:
+    """``x`` right-aligned in ``width`` characters: 5 decimals when they fit, else in exponent form.
+
+    A diverging approach's loss (1e16, inf, nan) must not push the table's columns apart.
+
+    >>> fit(0.123456, 10), fit(1.05e16, 10), fit(float("inf"), 8), fit(-2.5e-9, 8)
+    ('   0.12346', ' 1.050e+16', '     inf', '-2.5e-09')
+    """
+    fixed = f"{x:>{width}.5f}"
+    if len(fixed) <= width and (x == 0 or abs(x) >= 1e-4 or x != x):
+        return fixed
+    for digits in range(max(0, width - 7), -1, -1):  # "d.ddde+XX": 6 characters besides the digits, 7 with "-"
+        text = f"{x:>{width}.{digits}e}"
+        if len(text) <= width:
+            return text
+    return f"{x:.0e}"
 
 
 def off_parameters(records: list[StepRecord], name: str) -> str:

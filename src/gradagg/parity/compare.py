@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradagg.parity.layouts import Layout, format_layout
+from gradagg.parity.layouts import format_layout
+from gradagg.parity.types import Layout, Miss, Truth, Unread
 
 if TYPE_CHECKING:
     import torch
 
     Grads = Mapping[str, "torch.Tensor | Unread | None"]
 
-# Below 1% of the whole gradient's norm a parameter is judged against that 1%: float32 round-off of
-# a parameter is about 1e-5 of the whole norm on the examples (error 7e-5 on a layer at 6% of it), so
-# its relative error stays under the float32 tolerance; a real miss by a factor k on a parameter of
-# size s * ||T|| still shows as |k - 1| * s / 0.01, caught down to s ~ 1e-5 in float32.
-FLOOR = 1e-2
 # Default tolerance by the lowest precision among the parameters. float64: two orders of summation
 # differ by ~1e-15 relative (measured 7e-16 on the examples): 1e-9 leaves a margin of 10^6 and still
 # tells a divisor off by one in 10^8. float32: measured up to 7e-5 (cross-entropy gradients cancel
@@ -39,52 +34,6 @@ FLOOR = 1e-2
 # variable-length data miss by 1e-2 and more. Half precision: not measured, only a coarse check.
 RTOL_BY_DTYPE = {"torch.float64": 1e-9, "torch.float32": 1e-3, "torch.float16": 5e-2, "torch.bfloat16": 5e-2}
 _RTOL_OTHER = 1e-3
-
-
-@dataclass(frozen=True)
-class Unread:
-    """A gradient a rank holds that cannot be compared, and why: it fails whatever the tolerance.
-
-    Attributes:
-        why: a sentence that names the parameter, e.g. "'w' is a DTensor gradient (S(0)) here but has none
-            on rank 0: ...".
-    """
-
-    why: str
-
-
-@dataclass(frozen=True)
-class Truth:
-    """The one-process full-batch gradients, with their norms and the floor of the relative error."""
-
-    grads: dict[str, torch.Tensor | None]
-    norms: dict[str, float]
-    floor: float
-
-    @classmethod
-    def of(cls, grads: dict[str, torch.Tensor | None]) -> Truth:
-        """Wrap the truth's gradients (name -> tensor or None)."""
-        norms = {n: _norm(g) for n, g in grads.items() if g is not None}
-        return cls(grads, norms, FLOOR * math.sqrt(sum(v * v for v in norms.values())))
-
-    def scale(self, name: str) -> float:
-        """What an error on ``name`` is relative to: its truth's norm, or the floor when that is larger."""
-        return max(self.norms.get(name, 0.0), self.floor)
-
-
-@dataclass(frozen=True)
-class Miss:
-    """One parameter on one rank: its relative error (inf: not comparable, nan: not finite) and why."""
-
-    name: str
-    rank: int
-    error: float
-    problem: str | None = None
-
-    @property
-    def key(self) -> float:
-        """Sort key: NaN counts as the worst."""
-        return math.inf if math.isnan(self.error) else self.error
 
 
 def default_rtol(truth: Truth) -> float:

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gradagg.errors import GradaggError
-
-Layout = tuple[int, ...]
+from gradagg.parity.types import Layout
 
 # Each rank is a process with its own torch and a gloo connection to every other one; parity worlds
 # are small checks, and 8 ranks already cover every uneven split worth testing on one machine.

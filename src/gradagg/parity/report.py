@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from gradagg.parity.layouts import format_layout
 
 if TYPE_CHECKING:
-    from gradagg.parity import ParityReport
+    from gradagg.parity.types import ParityReport
 
 
 def summary(report: ParityReport) -> str:

@@ -1,8 +1,11 @@
 """SCRIPT.py for ``gradagg parity``: load it by path, check its contract, compute the one-process truth.
 
-Everything here runs in the checking process (no process group) except :func:`load_script`, which
-every rank runs too. The digests (:mod:`gradagg.parity.digest`) catch a model or a window that
-differs between processes, instead of blaming it on the user's step.
+:func:`check_script` runs in a process of its own, with no process group (:mod:`gradagg.parity.truth`),
+never in the ``gradagg`` process: the script may hang, start threads, change the working directory or
+close its streams. :func:`load_script` runs on every rank too. Each of the script's functions runs in a
+state the checker sets (:func:`user_state`: the checker's working directory, a stdout and stderr of
+its own). The digests (:mod:`gradagg.parity.digest`) catch a model or a window that differs between
+processes, or that ``full_batch_loss()`` changed, instead of blaming it on the user's step.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ class Script:
 
     path: str
     module: ModuleType
+    cwd: str
 
     def call(self, name: str, *args: Any) -> Any:
         """Call the script's function ``name``; an exception becomes a :class:`ScriptError` naming it."""
         try:
-            with user_output():
+            with user_state(self.cwd):
                 return getattr(self.module, name)(*args)
         except Exception as exc:  # the user's code may fail in any way: say where, in one line
             raise ScriptError(f"{self.path}: {name}() raised {describe(exc)}") from None
@@ -66,12 +70,12 @@ def load_script(path: str) -> Script:
     ...
     gradagg.errors.ScriptError: no/such/script.py: no such file
     """
-    if not os.path.isfile(path):
-        raise ScriptError(f"{path}: {'is a folder, not a script' if os.path.isdir(path) else 'no such file'}")
+    check_file(path)
+    cwd = os.getcwd()
     folder = os.path.dirname(os.path.abspath(path))
     if folder not in sys.path:
         sys.path.insert(0, folder)  # so the script can import its neighbours
-    module = _import(path)
+    module = _import(path, cwd)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise ScriptError(f"{path}: defines no {', '.join(f'{m}()' for m in missing)} (a parity script defines "
@@ -79,10 +83,16 @@ def load_script(path: str) -> Script:
     prepare = getattr(module, "prepare", None)
     if prepare is not None and not callable(prepare):
         raise ScriptError(f"{path}: prepare is a {type(prepare).__name__}, not a function")
-    return Script(path, module)
+    return Script(path, module, cwd)
 
 
-def _import(path: str) -> ModuleType:
+def check_file(path: str) -> None:
+    """Raise :class:`ScriptError` unless ``path`` is a file (a folder, or nothing, is named as such)."""
+    if not os.path.isfile(path):
+        raise ScriptError(f"{path}: {'is a folder, not a script' if os.path.isdir(path) else 'no such file'}")
+
+
+def _import(path: str, cwd: str) -> ModuleType:
     # A name of its own per path, so two scripts both called train.py do not collide in sys.modules.
     name = "gradagg_parity_script_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
     loader = importlib.machinery.SourceFileLoader(name, path)  # any extension, not only .py
@@ -92,7 +102,7 @@ def _import(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickle look the module up by name
     try:
-        with user_output():
+        with user_state(cwd):
             loader.exec_module(module)
     except SyntaxError as exc:
         raise ScriptError(f"{path} line {exc.lineno}: SyntaxError: {exc.msg}") from None
@@ -104,10 +114,40 @@ def _import(path: str) -> ModuleType:
 
 
 @contextlib.contextmanager
-def user_output() -> Iterator[None]:
-    """Send what the user's code prints to stderr: stdout carries the observations' JSON only."""
-    with contextlib.redirect_stdout(sys.stderr):
+def user_state(cwd: str) -> Iterator[None]:
+    """Run the user's code with stdout and stderr of its own (both to this process's stderr), then restore
+    the streams and the working directory ``cwd``, whatever the code did to them.
+
+    A function that closes ``sys.stdout`` or changes the working directory then breaks nothing of the
+    checker's: the report, the script's path and the next function see what they saw before.
+    """
+    saved = sys.stdout, sys.stderr
+    stream = _own_stream()
+    sys.stdout = sys.stderr = stream
+    try:
         yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        with contextlib.suppress(Exception):
+            stream.close()  # flushes what the user printed
+        _restore_cwd(cwd)
+
+
+def _own_stream() -> Any:
+    """A text stream on a copy of file descriptor 2 (closing it closes the copy only), or /dev/null."""
+    try:
+        return open(os.dup(2), "w", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+    except OSError:  # stderr itself is closed
+        return open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+
+
+def _restore_cwd(cwd: str) -> None:
+    try:
+        if os.getcwd() == cwd:
+            return
+    except OSError:  # the folder it moved to was deleted
+        pass
+    os.chdir(cwd)
 
 
 def describe(exc: BaseException) -> str:
@@ -168,7 +208,18 @@ def check_script(path: str) -> Checked:
     window = load_window(script)
     model = build_checked(script)
     digest = model_digest(model)  # before the backward, as the ranks take theirs before the step
-    return Checked(script, window, full_batch_grads(script, model, window), digest, data_digest(window))
+    grads = full_batch_grads(script, model, window)
+    changed = first_difference(_parameters(digest, model), _parameters(model_digest(model), model))
+    if changed is not None:
+        raise ScriptError(f"{path}: full_batch_loss() changed the model ({changed}); it must only compute the "
+                          "loss: the ranks' step starts from build_model()'s weights, so no truth to compare with")
+    return Checked(script, window, grads, digest, data_digest(window))
+
+
+def _parameters(digest: dict[str, str], model: torch.nn.Module) -> dict[str, str]:
+    """The digest's parameters only: a forward may update buffers (batch norm's running statistics)."""
+    names = {name for name, _ in model.named_parameters()}
+    return {name: d for name, d in digest.items() if name in names}
 
 
 def load_window(script: Script) -> list[Any]:

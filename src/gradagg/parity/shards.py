@@ -19,41 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradagg.parity.compare import Unread
+from gradagg.parity.types import Piece, Unread
 
 if TYPE_CHECKING:
     import torch
 
 _SHARD = re.compile(r"S\((\d+)\)")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One rank's part of a DTensor gradient.
-
-    Attributes:
-        local: the rank's local tensor (a CPU copy).
-        shape: the whole tensor's shape.
-        placements: one per mesh dimension: ``"S(0)"``, ``"R"``, ``"P(sum)"``, or the repr of another.
-        mesh: the mesh's global ranks, row-major.
-        mesh_shape: the mesh's shape.
-        coordinate: this rank's coordinate in the mesh.
-    """
-
-    local: torch.Tensor
-    shape: tuple[int, ...]
-    placements: tuple[str, ...]
-    mesh: tuple[int, ...]
-    mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-
-    @property
-    def spec(self) -> tuple[Any, ...]:
-        """What every rank of the mesh must agree on."""
-        return self.shape, self.placements, self.mesh, self.mesh_shape
 
 
 def piece_of(grad: Any) -> Piece:

@@ -14,71 +14,54 @@ returns at once too, and its peers fail in the step that waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gradagg.parity.digest import data_digest, model_digest
-from gradagg.parity.layouts import Layout, rank_slice
-from gradagg.parity.script import describe, load_script, read_grad, user_output
-from gradagg.parity.shards import Piece, piece_of
+from gradagg.parity.layouts import rank_slice
+from gradagg.parity.script import describe, load_script, read_grad, user_state
+from gradagg.parity.shards import piece_of
+from gradagg.parity.types import Layout, Piece, RankResult
 
 if TYPE_CHECKING:
     import torch
 
 
-@dataclass
-class RankResult:
-    """What one rank hands back.
-
-    Attributes:
-        rank: the rank.
-        failure: None when every phase returned; else ``"step() raised ZeroDivisionError: ..."``.
-        model_digest: digest of the model ``build_model()`` gave on this rank, before ``prepare``.
-        window_digest: digest of the window ``microbatches()`` gave on this rank.
-        grads: parameter name -> gradient after ``step`` (None: no gradient; a :class:`Piece`: this rank's
-            shard of a DTensor), in ``named_parameters()`` order.
-    """
-
-    rank: int
-    failure: str | None = None
-    model_digest: dict[str, str] = field(default_factory=dict)
-    window_digest: str = ""
-    grads: dict[str, torch.Tensor | Piece | None] = field(default_factory=dict)
-
-
-def run_rank(path: str, layout: Layout) -> RankResult:
+def run_rank(path: str, layout: Layout, cwd: str) -> RankResult:
     """Run SCRIPT.py's step on this rank's share of the window; return its gradients (never raises).
 
     Args:
         path: SCRIPT.py, an absolute path.
         layout: microbatches per rank; this rank runs ``layout[rank]`` consecutive ones.
+        cwd: the checker's working directory, where each of the script's functions runs.
 
     Returns:
         The rank's :class:`RankResult`.
     """
     import torch.distributed as dist
 
-    _stdout_to_stderr()
+    stdout_to_stderr()
     rank = dist.get_rank()
     result = RankResult(rank=rank)
     phase = "loading the script"
     try:
+        os.chdir(cwd)
         script = load_script(path)
         phase = "microbatches()"
-        with user_output():
+        with user_state(cwd):
             window = list(script.module.microbatches())
         result.window_digest = data_digest(window)
         phase = "build_model()"
-        with user_output():
+        with user_state(cwd):
             model = script.module.build_model()
         result.model_digest = model_digest(model)
         phase = "prepare()"
-        wrapped = _prepared(script.module, model) if script.has_prepare else model
+        wrapped = _prepared(script.module, model, cwd) if script.has_prepare else model
         phase = "step()"
-        with user_output():
+        with user_state(cwd):
             script.module.step(wrapped, window[rank_slice(layout, rank)])
         phase = "reading the gradients"  # locally: a DTensor's shard, not full_tensor() (a collective)
         result.grads = {name: _read(p) for name, p in model.named_parameters()}
@@ -92,8 +75,8 @@ def _read(param: torch.Tensor) -> torch.Tensor | Piece | None:
     return piece_of(grad) if grad is not None and hasattr(grad, "device_mesh") else read_grad(param)
 
 
-def _prepared(module: Any, model: Any) -> Any:
-    with user_output():
+def _prepared(module: Any, model: Any, cwd: str) -> Any:
+    with user_state(cwd):
         wrapped = module.prepare(model)
     if wrapped is None:
         raise ValueError("prepare(model) returned None; it must return the model, wrapped or not")
@@ -106,7 +89,12 @@ def _where(exc: BaseException, path: str) -> str:
     return f" (at {os.path.basename(path)} line {frames[-1].lineno})" if frames else ""
 
 
-def _stdout_to_stderr() -> None:
-    """Point this rank's stdout at stderr: the parent's stdout carries the observations' JSON only."""
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+def stdout_to_stderr() -> None:
+    """Point this process's file descriptor 1 at 2: the parent's stdout carries the observations' JSON only.
+
+    Also when the parent runs with its stdout closed (``sys.stdout`` is None here then).
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)

@@ -3,6 +3,6 @@
 import sys
 from pathlib import Path
 
-FOLDER = str(Path(__file__).resolve().parents[2] / "examples" / "parity")
+FOLDER = str(Path(__file__).resolve().parents[3] / "examples" / "parity")
 if FOLDER not in sys.path:
     sys.path.insert(0, FOLDER)

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +27,9 @@ torch = pytest.importorskip("torch")
 from gradagg.parity import ParityReport, ScriptError, check_parity  # noqa: E402
 from gradagg.parity.report import summary  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "parity"
-FIXTURES = Path(__file__).resolve().parent / "parity"
+FIXTURES = Path(__file__).resolve().parent / "scripts"
 DEFAULT_LAYOUTS = [[8], [4, 4], [1, 7]]
 # float64 round-off: the step and the full batch add the same terms in different orders (measured
 # ~5e-16); 1e-13 leaves a margin of 200 and is 12 orders of magnitude below any mistake's error.
@@ -225,13 +224,11 @@ def test_a_model_that_differs_between_processes_is_unusable() -> None:
 ])
 def test_a_rank_that_fails_fails_its_layout_fast_and_is_named_first(name: str, first: str) -> None:
     """Rank 1 stops; rank 0, waiting in an all-reduce, loses its peer at once instead of timing out."""
-    start = time.monotonic()
     (o,) = check_parity(_fixture(name), [(2, 2)], **FAST).observations
-    elapsed = time.monotonic() - start
     assert o["passed"] is False and o["rank"] == 1
     assert o["actual"].startswith(first) and "rank 0: step() raised RuntimeError" in o["actual"]
+    assert "Timed out" not in o["actual"] and "deadline" not in o["actual"], o["actual"]  # its connection closed
     assert o["diagnosis"].endswith("then rank 0, waiting for it")
-    assert elapsed < FAST["collective_timeout_s"] + 10.0  # the peer's connection closes: no timeout waited
 
 
 def test_a_prepare_that_raises_is_named_as_prepare() -> None:
@@ -252,20 +249,15 @@ def test_a_rank_that_hangs_in_python_is_killed_at_the_deadline() -> None:
     """Rank 1 spins forever: rank 0 times out in its collective (2 s), rank 1 is killed at the deadline (4 s).
 
     Rank 2 waits for rank 1 on a group with torch's 30-minute default timeout: it fails only when rank 1
-    is killed, after the deadline, and its result is still read. The launcher gives a rank 5 s of grace
-    after the deadline before killing it, then 1 s to the ranks it held: the bound is 4 + 5 + 1 s, plus
-    5 s for starting the world (and the fork server, when this test runs alone) on a loaded machine.
+    is killed, after the deadline, and its result is still read.
     """
-    start = time.monotonic()
     (o,) = check_parity(_fixture("hangs_on_rank1"), [(1, 1, 2)], timeout_s=4.0,
                         collective_timeout_s=2.0).observations
-    elapsed = time.monotonic() - start
     assert o["passed"] is False
     assert o["actual"].startswith("rank 1: did not finish within the deadline (4 s) and was killed")
     assert "rank 0: step() raised RuntimeError" in o["actual"]
     assert "rank 2: step() raised RuntimeError" in o["actual"], o["actual"]  # not "exited ... without a result"
     assert o["diagnosis"].endswith("then rank 0, 2, waiting for it")
-    assert elapsed < 4.0 + 5.0 + 1.0 + 5.0
 
 
 # --- what the comparison tells apart ------------------------------------------------------------
@@ -331,17 +323,14 @@ def test_fsdp2_examples_on_uneven_counts_and_a_rank_with_none() -> None:
 
     1,7: rank 0's only backward reduce-scatters while rank 1's first one does not: their collectives no
     longer pair up and both ranks time out (3 s) inside step(). 0,8: rank 0 runs no backward, returns at
-    once, and rank 1 loses it in its first all-gather. Both fail within the collective timeout, never the
-    deadline: 4 worlds' start-up (about 1 s each on 2 cores) plus 2 timeouts, with room for a loaded machine.
+    once, and rank 1 loses it in its first all-gather. Both fail inside step(), never at the deadline.
     """
     pytest.importorskip("torch.distributed.fsdp")
     for name, verdicts in FSDP2_VERDICTS.items():
-        start = time.monotonic()
         report = check_parity(str(EXAMPLES / f"{name}.py"), FSDP2_LAYOUTS, **FAST)
-        elapsed = time.monotonic() - start
         assert tuple(o["passed"] for o in report.observations) == verdicts, report.observations
         assert all(o["actual"] <= ROUND_OFF_64 for o in report.observations if o["passed"])
-        assert elapsed < 4 * 4.0 + 2 * FAST["collective_timeout_s"], (name, elapsed)
+        assert not any("deadline" in str(o["actual"]) for o in report.observations), report.observations
     _, _, uneven, empty = report.observations
     assert uneven["diagnosis"].startswith("every rank failed inside a collective"), uneven
     assert "different numbers of microbatches" in uneven["diagnosis"]

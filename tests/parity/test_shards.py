@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gradagg.parity.compare import Unread  # noqa: E402
-from gradagg.parity.shards import Piece, assemble  # noqa: E402
+from gradagg.parity.shards import assemble  # noqa: E402
+from gradagg.parity.types import Piece, Unread  # noqa: E402
 
 WHOLE = torch.arange(66, dtype=torch.float64).reshape(11, 6)  # 11 rows: chunks of 6 and 5 on 2 ranks
 

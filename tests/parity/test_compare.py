@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from gradagg.parity.compare import FLOOR, Truth, Unread, default_rtol, judge, ratio_text  # noqa: E402
+from gradagg.parity.compare import default_rtol, judge, ratio_text  # noqa: E402
+from gradagg.parity.types import FLOOR, Truth, Unread  # noqa: E402
 
 RTOL = 1e-9
 

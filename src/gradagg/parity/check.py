@@ -1,0 +1,147 @@
+""":func:`check_parity`: the truth in a process of its own, then one local world per layout, judged here."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gradagg.errors import GradaggError, ScriptError
+from gradagg.parity.layouts import check_layouts, default_layouts, format_layout
+from gradagg.parity.types import Layout, ParityReport, TruthResult
+
+DEFAULT_TIMEOUT_S = 60.0  # one world, start-up included: a hung step fails its layout after this long
+# A rank blocked in a collective whose peer hangs (without exiting) gives up after this long.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 10.0
+# DistributedDataParallel imports torch._dynamo on first use, a slow import in every rank of every world;
+# the fork server imports it once instead. Only the first world of a process starts the server (the tests' worlds
+# preload the same module).
+_PRELOAD = ("torch._dynamo",)
+
+
+def check_parity(
+    script: str,
+    layouts: Sequence[Sequence[int]] | None = None,
+    rtol: float | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+) -> ParityReport:
+    """Run SCRIPT.py's ``step`` on one local gloo world per layout and compare every gradient with the truth.
+
+    Args:
+        script: path of SCRIPT.py (see the module docstring for what it defines).
+        layouts: microbatches per rank, one sequence per layout, each summing to the window; default (None or
+            empty): one process, the most even split on 2 ranks, and 1 against the rest (``default_layouts``).
+        rtol: the largest relative error that passes; default by dtype: 1e-9 float64, 1e-3 float32,
+            5e-2 half precision (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons).
+        timeout_s: deadline of each world, start-up included.
+        collective_timeout_s: how long a rank waits in a collective for a peer.
+
+    Returns:
+        A :class:`ParityReport`; its ``json`` has one observation per layout: ``check``, ``actual`` (the
+        largest relative error over ranks and parameters, or what failed), ``expected`` (``"<= rtol"``),
+        ``passed``, and ``layout``, ``parameter`` and ``rank`` (where the worst error is), ``ratio`` (the
+        one factor between the step's gradients and the truth, when there is one), ``diagnosis``.
+
+    Raises:
+        ScriptError: SCRIPT.py cannot be used: missing, does not import, lacks a function, its model or
+            window is not deterministic, its full-batch loss has no usable gradient.
+        GradaggError: a layout does not sum to the window or has too many ranks; ``rtol`` out of range.
+
+    Starting processes is not for a doctest, hence the skip (tests/test_parity.py runs it)::
+
+    >>> check_parity("examples/parity/token_mean_by_hand.py").passed  # doctest: +SKIP
+    True
+    """
+    start = time.perf_counter()
+    _require_torch()
+    from gradagg.parity.compare import default_rtol
+    from gradagg.parity.script import check_file
+    from gradagg.parity.truth import compute_truth
+    from gradagg.parity.types import Truth
+
+    check_file(script)  # at once, before any process starts
+    path = os.path.abspath(script)  # now: the ranks may not share our working folder
+    checked = compute_truth(script, timeout_s, _PRELOAD)
+    chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
+                           checked.window)
+    truth = Truth.of(checked.grads)
+    tol = _checked_rtol(default_rtol(truth) if rtol is None else rtol)
+    observations = [_observe(script, path, layout, truth, tol, checked, timeout_s, collective_timeout_s)
+                    for layout in chosen]
+    return ParityReport(script, checked.window, _lowest_dtype(truth.grads), tol, observations,
+                        time.perf_counter() - start)
+
+
+def _require_torch() -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GradaggError("gradagg parity needs torch: pip install 'gradagg[torch]'") from None
+
+
+def _checked_rtol(rtol: float) -> float:
+    if not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and 0 <= rtol < 1):
+        raise GradaggError(f"rtol must be a number from 0 (exact) up to, not including, 1; got {rtol!r} "
+                           "(a relative error of 1 is what all-zero gradients have)")
+    return float(rtol)
+
+
+def _lowest_dtype(grads: Mapping[str, Any]) -> str:
+    from gradagg.parity.compare import RTOL_BY_DTYPE
+
+    dtypes = sorted({str(g.dtype) for g in grads.values() if g is not None},
+                    key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
+    return dtypes[-1].removeprefix("torch.")
+
+
+def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, checked: TruthResult,
+             timeout_s: float, collective_timeout_s: float) -> dict[str, Any]:
+    """One world for one layout, then its observation."""
+    from gradagg.parity.compare import judge
+    from gradagg.parity.shards import assemble
+    from gradagg.parity.worker import run_rank
+    from gradagg.testing import launch_local_world
+
+    outcomes = launch_local_world(run_rank, len(layout), path, layout, os.getcwd(), timeout_s=timeout_s,
+                                  collective_timeout_s=collective_timeout_s, preload=_PRELOAD)
+    results, failures = {}, {}
+    for o in outcomes:
+        if not o.ok:
+            failures[o.rank] = _launcher_failure(o.rank, o.error, timeout_s)
+            continue
+        _check_same_inputs(script, layout, o.value, checked)
+        if o.value.failure is not None:
+            failures[o.rank] = o.value.failure
+        else:
+            results[o.rank] = o.value.grads
+    return judge(layout, truth, assemble(results), failures, rtol)
+
+
+def _launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
+    lines = [ln.strip() for ln in (error or "").strip().splitlines() if ln.strip()]
+    text = (lines[-1] if lines else "failed").removeprefix(f"rank {rank} ")
+    if "deadline" in text:
+        return f"did not finish within the deadline ({timeout_s:g} s) and was killed: does its step hang?"
+    if "SIGABRT" in text:  # no "gloo" or "peer" here: this rank is the cause, not one waiting for another
+        text += (" (C++ code aborted it; torch's collectives do that when a rank's collective differs in size "
+                 "or kind from the other ranks': the message is on stderr)")
+    return text
+
+
+def _check_same_inputs(path: str, layout: Layout, value: Any, checked: TruthResult) -> None:
+    """The model and window each rank built must be the truth's, or the comparison means nothing."""
+    from gradagg.parity.digest import first_difference
+
+    model, window = checked.model_digest, checked.window_digest
+    where = f"on rank {value.rank} of layout {format_layout(layout)}"
+    if value.window_digest and value.window_digest != window:
+        raise ScriptError(f"{path}: microbatches() returned different data {where} than in the checking "
+                          "process; it must be deterministic in every process")
+    differs = first_difference(model, value.model_digest) if value.model_digest else None
+    if differs is not None:
+        raise ScriptError(f"{path}: build_model() is not deterministic: {differs} differs {where} from the "
+                          "model built in the checking process")

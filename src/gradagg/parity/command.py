@@ -1,0 +1,46 @@
+"""The command line of ``gradagg parity``: its options and its run (JSON on stdout, a summary on a terminal)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from gradagg.errors import GradaggError
+from gradagg.parity.check import check_parity
+from gradagg.parity.layouts import MAX_RANKS, parse_layout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``gradagg parity SCRIPT.py [--layouts L [L ...]] [--rtol R]`` to ``parser``."""
+    parser.add_argument("script", metavar="SCRIPT.py",
+                        help="defines build_model(), microbatches(), full_batch_loss(model, microbatches), "
+                             "step(model, microbatches) and optionally prepare(model)")
+    parser.add_argument("--layouts", nargs="+", metavar="L",
+                        help="microbatches per rank, e.g. 8 4,4 1,7 0,8; each must sum to the window (default: one "
+                             f"process, an even and an uneven split on 2 ranks); at most {MAX_RANKS} ranks")
+    parser.add_argument("--rtol", type=float, metavar="R",
+                        help="largest relative error that passes, per parameter: ||g - t|| / max(||t||, 1%% of the "
+                             "whole gradient's norm) (default: 1e-9 for float64 models, 1e-3 for float32)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gradagg parity``: the observations as JSON on stdout, a summary on stderr when it is a terminal.
+
+    Returns:
+        0 when every layout passed, 1 otherwise.
+
+    Raises:
+        GradaggError: SCRIPT.py cannot be used, or bad options (the command line exits 2 with one line).
+    """
+    from gradagg.parity.report import summary
+
+    if sys.stdout is None:  # started with stdout closed: the report could go nowhere
+        raise GradaggError("standard output is closed, so the report cannot be written; redirect it instead "
+                           "(> report.json, or > /dev/null for the exit status alone)")
+    layouts = [parse_layout(text) for text in args.layouts] if args.layouts else None
+    report = check_parity(args.script, layouts, args.rtol)
+    print(json.dumps(report.json, ensure_ascii=False, allow_nan=False))
+    if sys.stderr.isatty():
+        print(summary(report), file=sys.stderr)
+    return 0 if report.passed else 1

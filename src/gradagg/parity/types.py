@@ -1,0 +1,167 @@
+"""The data of ``gradagg parity``, in one leaf module: every other module of the package imports these,
+and this one imports nothing of the package.
+
+:class:`Piece` (a rank's part of a DTensor gradient), :class:`RankResult` (what a rank hands back),
+:class:`TruthResult` (what the process that computes the truth hands back), :class:`Truth`,
+:class:`Unread` and :class:`Miss` (the comparison), :class:`ParityReport` (the outcome).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+Layout = tuple[int, ...]
+"""Microbatches per rank: ``(4,)`` one process running 4, ``(1, 3)`` two ranks (see :mod:`gradagg.parity.layouts`)."""
+
+# Below 1% of the whole gradient's norm a parameter is judged against that 1%: float32 round-off of
+# a parameter is about 1e-5 of the whole norm on the examples (error 7e-5 on a layer at 6% of it), so
+# its relative error stays under the float32 tolerance; a real miss by a factor k on a parameter of
+# size s * ||T|| still shows as |k - 1| * s / 0.01, caught down to s ~ 1e-5 in float32.
+FLOOR = 1e-2
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A gradient a rank holds that cannot be compared, and why: it fails whatever the tolerance.
+
+    Attributes:
+        why: a sentence that names the parameter, e.g. "'w' is a DTensor gradient (S(0)) here but has none
+            on rank 0: ...".
+    """
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Truth:
+    """The one-process full-batch gradients, with their norms and the floor of the relative error."""
+
+    grads: dict[str, torch.Tensor | None]
+    norms: dict[str, float]
+    floor: float
+
+    @classmethod
+    def of(cls, grads: dict[str, torch.Tensor | None]) -> Truth:
+        """Wrap the truth's gradients (name -> tensor or None)."""
+        norms = {n: float(g.double().norm()) for n, g in grads.items() if g is not None}
+        return cls(grads, norms, FLOOR * math.sqrt(sum(v * v for v in norms.values())))
+
+    def scale(self, name: str) -> float:
+        """What an error on ``name`` is relative to: its truth's norm, or the floor when that is larger."""
+        return max(self.norms.get(name, 0.0), self.floor)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """One parameter on one rank: its relative error (inf: not comparable, nan: not finite) and why."""
+
+    name: str
+    rank: int
+    error: float
+    problem: str | None = None
+
+    @property
+    def key(self) -> float:
+        """Sort key: NaN counts as the worst."""
+        return math.inf if math.isnan(self.error) else self.error
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's part of a DTensor gradient.
+
+    Attributes:
+        local: the rank's local tensor (a CPU copy).
+        shape: the whole tensor's shape.
+        placements: one per mesh dimension: ``"S(0)"``, ``"R"``, ``"P(sum)"``, or the repr of another.
+        mesh: the mesh's global ranks, row-major.
+        mesh_shape: the mesh's shape.
+        coordinate: this rank's coordinate in the mesh.
+    """
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...]
+
+    @property
+    def spec(self) -> tuple[Any, ...]:
+        """What every rank of the mesh must agree on."""
+        return self.shape, self.placements, self.mesh, self.mesh_shape
+
+
+@dataclass
+class RankResult:
+    """What one rank hands back.
+
+    Attributes:
+        rank: the rank.
+        failure: None when every phase returned; else ``"step() raised ZeroDivisionError: ..."``.
+        model_digest: digest of the model ``build_model()`` gave on this rank, before ``prepare``.
+        window_digest: digest of the window ``microbatches()`` gave on this rank.
+        grads: parameter name -> gradient after ``step`` (None: no gradient; a :class:`Piece`: this rank's
+            shard of a DTensor), in ``named_parameters()`` order.
+    """
+
+    rank: int
+    failure: str | None = None
+    model_digest: dict[str, str] = field(default_factory=dict)
+    window_digest: str = ""
+    grads: dict[str, torch.Tensor | Piece | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TruthResult:
+    """What the process that checks SCRIPT.py and computes the truth hands back.
+
+    Attributes:
+        failure: None when the script is usable; else why not (the :class:`~gradagg.errors.ScriptError` text).
+        window: M, the microbatches that ``microbatches()`` returned.
+        grads: parameter name -> the full batch's gradient (a CPU copy), or None where it gives none.
+        model_digest: digest of the model, before the backward (every rank must reproduce it).
+        window_digest: digest of the window (likewise).
+    """
+
+    failure: str | None = None
+    window: int = 0
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    model_digest: dict[str, str] = field(default_factory=dict)
+    window_digest: str = ""
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """The outcome of :func:`check_parity`.
+
+    Attributes:
+        script: SCRIPT.py's path.
+        window: M, the microbatches that ``microbatches()`` returned.
+        dtype: the lowest-precision dtype among the truth's gradients (what the default rtol is for).
+        rtol: the tolerance used.
+        observations: one per layout, in the ``gradagg verify`` form (see :func:`check_parity`).
+        elapsed_s: seconds the whole check took.
+    """
+
+    script: str
+    window: int
+    dtype: str
+    rtol: float
+    observations: list[dict[str, Any]]
+    elapsed_s: float
+
+    @property
+    def passed(self) -> bool:
+        """Whether every layout passed."""
+        return all(o["passed"] for o in self.observations)
+
+    @property
+    def json(self) -> dict[str, Any]:
+        """``{"observations": [...], "passed": bool}``: what ``gradagg parity`` prints."""
+        return {"observations": self.observations, "passed": self.passed}
