@@ -343,12 +343,7 @@ def test_inputs_beyond_the_memory_allowed_are_one_line(contract: str, name: str,
 
 
 VALID = {"rows.json": '[["x", "a", "a", 1], ["y", 0, 0, 2.5]]', "m.csv": "a,b\n2,\n,6\n4,-1e-3\n"}
-_PARQUET_REMOVES_LINK = pytest.mark.xfail(
-    strict=True, reason="pyarrow's write_table removes the path it failed to write (here the link to /dev/full): "
-                        "gradagg.formats.parquet._write should hand it an open file instead of the path")
-
-
-@pytest.mark.parametrize("ext", ["json", "jsonl", "csv", pytest.param("parquet", marks=_PARQUET_REMOVES_LINK), "txt"])
+@pytest.mark.parametrize("ext", ["json", "jsonl", "csv", "parquet", "txt"])
 @pytest.mark.parametrize(("contract", "name"), [("owner-sum", "rows.json"), ("mean", "m.csv")])
 def test_full_devices_are_named(contract: str, name: str, ext: str, tmp_path: Path) -> None:
     """Every output format onto /dev/full (through a link named for it), and stdout on /dev/full: one line

@@ -271,12 +271,12 @@ def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     out = tmp_path / "out.parquet"
     out.write_bytes(b"old")
 
-    def broken(table: Any, where: str) -> None:
-        Path(where).write_bytes(b"partial")
+    def broken(table: Any, where: Any) -> None:
+        where.write(b"partial")
         raise OSError("disk full")
 
     monkeypatch.setattr(pq, "write_table", broken)
-    with pytest.raises(OutputError, match=f"^{out}: cannot write Parquet: disk full$"):
+    with pytest.raises(OutputError, match=f"^{out}: cannot write the result: disk full$"):
         parquet.write_mean(str(out), [1.0])
     assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
 

@@ -62,12 +62,13 @@ def write_mean(path: str, means: Any) -> None:
 
 def _write(path: str, table: pa.Table) -> None:
     with atomic_path(path) as tmp:
+        # An open file, not the path: pyarrow deletes a path it failed to write (a link to a device included).
         try:
-            pq.write_table(table, tmp)
+            with open(tmp, "wb") as sink:
+                pq.write_table(table, sink)
         except (pa.ArrowException, OSError) as exc:
-            if isinstance(exc, OSError) and exc.filename:
-                raise  # the system's error, naming its file
-            raise OutputError(f"{path}: cannot write Parquet: {exc}") from None  # pyarrow's text names no file
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise OutputError(f"{path}: cannot write the result: {reason}") from None  # pyarrow's text names no file
 
 
 def _ids_array(shards: Any) -> Any:
