@@ -216,3 +216,23 @@ def test_layout_reports_the_bad_rank(collective: str) -> None:
             torch.cat([layout.pack_all_gather(x, r == 2, r).clone() for r, x in enumerate(local)])
         )
     assert bad == [2] and list(got) == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (lambda: Ownership.from_tensors([torch.zeros(2)], owners=[0]), "tensors"),
+        (lambda: Ownership.from_tensors((torch.zeros(2),), owners=0), "tensors"),
+        (lambda: Ownership.from_tensors({0: torch.zeros(2)}, owners=[0]), "owners"),
+        (lambda: Ownership.from_tensors({0: torch.zeros(2)}, owners="0"), "owners"),
+        (lambda: Ownership([ShardSpec((2,), torch.float32, 0)]), "shards"),
+        (lambda: Ownership({0: (2,)}), "shard 0"),
+        (lambda: Ownership.from_tensors({0: [1.0, 2.0]}, owners=0), "shard 0"),
+    ],
+)
+def test_declarations_of_the_wrong_kind_are_named(build: object, names: str) -> None:
+    """A list where a mapping is expected (or a non-tensor, non-spec value) is an IdError naming the argument
+    and what it got, never a raw AttributeError from inside the declaration."""
+    with pytest.raises(IdError, match=names) as info:
+        build()  # type: ignore[operator]
+    assert "expected" in str(info.value)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -74,7 +74,7 @@ class Ownership:
             gather input; gather output), reused by its next call while no result of the last is alive.
 
     Raises:
-        IdError: a shard id or owner of the wrong type, or a negative owner.
+        IdError: ``shards`` is not a mapping, or a shard id, spec or owner of the wrong type, or a negative owner.
 
     >>> own = Ownership.from_tensors({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, owners={"w": 0, "b": 0})
     >>> own.owner("w"), own.spec("b").shape, list(own)
@@ -82,7 +82,7 @@ class Ownership:
     """
 
     def __init__(self, shards: ShardMap[ShardSpec]) -> None:
-        given = cast(Mapping[ShardId, ShardSpec], shards)
+        given = _mapping(shards, "shards", "shard id -> ShardSpec")
         for shard, spec in given.items():
             _check_declaration(shard, spec)
         # One canonical order on every rank (ints before strings, then by value): the buffer layout.
@@ -104,13 +104,19 @@ class Ownership:
             The declaration.
 
         Raises:
-            IdError: a shard has no owner in ``owners``.
+            IdError: ``tensors`` or ``owners`` is not a mapping (or a rank), a value is not a tensor, or a shard has
+                no owner in ``owners``.
 
         >>> Ownership.from_tensors({0: torch.zeros(2)}, owners=0).spec(0)
         ShardSpec(shape=(2,), dtype=torch.float32, owner=0)
         """
         specs: dict[ShardId, ShardSpec] = {}
-        for shard, tensor in cast(Mapping[ShardId, torch.Tensor], tensors).items():
+        given = _mapping(tensors, "tensors", "shard id -> tensor")
+        if not isinstance(owners, int):
+            _mapping(owners, "owners", "shard id -> owner rank, or one rank for every shard")
+        for shard, tensor in given.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise IdError(f"shard {shard!r}: expected a tensor, got {type(tensor).__name__} {tensor!r}")
             if isinstance(owners, int):
                 owner = owners
             elif shard in owners:
@@ -243,6 +249,13 @@ def _group_key(group: Group) -> object:
 
 
 _NO_GROUP = object()  # the key for "no process group": verified once, like a group
+
+
+def _mapping(value: object, name: str, expected: str) -> Mapping[Any, Any]:
+    """``value`` itself if it is a mapping; else an IdError naming the argument, what it expects and what it got."""
+    if not isinstance(value, Mapping):
+        raise IdError(f"{name}: expected a mapping of {expected}, got {type(value).__name__} {value!r}")
+    return value
 
 
 def _check_declaration(shard: object, spec: object) -> None:
