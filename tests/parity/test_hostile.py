@@ -107,7 +107,9 @@ def _command(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """``python -P -m gradagg parity ...`` (as the ``gradagg`` entry point: the working folder not on sys.path),
     its output captured: it returns once every writer has closed it."""
     package_root = str(Path(gradagg.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+    # No empty entry: one in PYTHONPATH stands for the working folder, which -P is there to keep off sys.path.
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     return subprocess.run([sys.executable, "-P", "-m", "gradagg", "parity", *args], capture_output=True, text=True,
                           timeout=150, cwd=cwd, env=env)
 
