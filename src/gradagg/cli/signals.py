@@ -33,30 +33,55 @@ def run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) 
     """``handler(args)``'s status; every error and signal turned into its one line and status."""
     try:
         return int(handler(args))
-    except GradaggError as exc:
+    except (KeyboardInterrupt, Terminated) as stop:
+        return _stopped(stop)
+    except Exception as exc:
+        behind = _signal_behind(exc)
+        if behind is not None:  # library code turned the signal into its own error (Python's __set_name__ does)
+            return _stopped(behind)
+        return _failed(exc, args)
+
+
+def _failed(exc: Exception, args: argparse.Namespace) -> int:
+    if isinstance(exc, GradaggError):
         fail(str(exc))
-    except BrokenPipeError:
+    if isinstance(exc, BrokenPipeError):
         # The reader went away (`gradagg ... | head`): not an input error. Point stdout at
         # /dev/null so Python's flush at exit does not complain, and exit like `head`'s writers do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except OSError as exc:
+    where = getattr(args, "file", None)
+    if isinstance(exc, OSError):
         # A reader or writer that did not name its file: the input is the best guess left.
-        where = exc.filename or getattr(args, "file", None)
+        where = exc.filename or where
         fail(f"{where + ': ' if where else ''}{exc.strerror or exc}")
-    except ImportError as exc:  # an optional package that is missing, where no better message was given
+    if isinstance(exc, ImportError):  # an optional package that is missing, where no better message was given
         fail(f"{exc.name or 'a package'} is needed and cannot be imported ({exc}); install it, for example with "
              "pip install 'gradagg[all]'")
-    except MemoryError:
-        where = getattr(args, "file", None)
+    if isinstance(exc, MemoryError):
         fail(f"{where + ': ' if where else ''}out of memory: the input and what it is turned into do not fit in the "
              "memory allowed (ulimit -v, or the machine's); Parquet input is read in batches, text input whole")
-    except KeyboardInterrupt:
-        print("gradagg: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated as exc:
-        print(f"gradagg: stopped by {exc.signal.name}", file=sys.stderr)
-        return 128 + exc.signal
+    raise exc
+
+
+def _signal_behind(exc: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM/SIGHUP that ``exc`` was raised from or during, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (KeyboardInterrupt, Terminated)):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _stopped(stop: BaseException) -> int:
+    if isinstance(stop, Terminated):
+        print(f"gradagg: stopped by {stop.signal.name}", file=sys.stderr)
+        return 128 + stop.signal
+    print("gradagg: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 class Terminated(BaseException):
