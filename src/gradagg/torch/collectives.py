@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError
+from gradagg.errors import CollectiveError, first_line
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 
@@ -162,9 +162,8 @@ def _collective(op: str, what: str, elements: int, group: Group, issue: Callable
 
 
 def _failure(name: str, what: str, group: Group, exc: BaseException) -> CollectiveError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return CollectiveError(
-        f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line} "
+        f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line(exc)} "
         "(a peer rank died, diverged or timed out; every rank must call the same collectives in the same order)"
     )
 
