@@ -96,3 +96,15 @@ def last_line(text: str | None) -> str:
     """
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
     return lines[-1] if lines else "failed"
+
+
+TORCH_HINT = ("pip install 'gradagg[torch]' (on Linux that is a CUDA build of about 2 GB; for the CPU one, first "
+              "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+def require_torch(what: str) -> None:
+    """Raise a one-line :class:`GradaggError`, ``what`` and the install hint, when torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GradaggError(f"{what} needs torch: {TORCH_HINT}") from None

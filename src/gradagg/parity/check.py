@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradagg.errors import GradaggError, ScriptError, last_line
+from gradagg.errors import GradaggError, ScriptError, last_line, require_torch
 from gradagg.parity.layouts import check_layouts, default_layouts, format_layout
 from gradagg.parity.types import Layout, ParityReport, TruthResult
 
@@ -57,7 +57,7 @@ def check_parity(
     True
     """
     start = time.perf_counter()
-    _require_torch()
+    require_torch("gradagg parity")
     from gradagg.parity.compare import default_rtol
     from gradagg.parity.script import check_file
     from gradagg.parity.truth import compute_truth
@@ -74,13 +74,6 @@ def check_parity(
                     for layout in chosen]
     return ParityReport(script, checked.window, _lowest_dtype(truth.grads), tol, observations,
                         time.perf_counter() - start)
-
-
-def _require_torch() -> None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise GradaggError("gradagg parity needs torch: pip install 'gradagg[torch]'") from None
 
 
 def _checked_rtol(rtol: float) -> float:
