@@ -292,12 +292,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = N
     """
     # all_gather_single is the newer name (torch >= 2.10); all_gather_into_tensor is deprecated there.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def alone() -> None:
-        output.copy_(tensor)
-    _collective(
-        "all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group), alone
-    )
+    _collective("all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group),
+                lambda: output.copy_(tensor))
     return output
 
 
