@@ -80,3 +80,31 @@ def short_repr(value: object) -> str:
         big = value if isinstance(value, int) else None
         text = f"<an int of about {int(big.bit_length() * 0.30103) + 1} digits>" if big else "<too long to show>"
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (backend errors run long), or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def last_line(text: str | None) -> str:
+    """The last non-blank line of a traceback (the exception), or ``"failed"``.
+
+    >>> last_line("Traceback ...\\n  File x\\nValueError: bad\\n")
+    'ValueError: bad'
+    """
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else "failed"
+
+
+TORCH_HINT = ("pip install 'gradagg[torch]' (on Linux that is a CUDA build of about 2 GB; for the CPU one, first "
+              "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+def require_torch(what: str) -> None:
+    """Raise a one-line :class:`GradaggError`, ``what`` and the install hint, when torch cannot be imported."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise GradaggError(f"{what} needs torch: {TORCH_HINT}") from None

@@ -39,7 +39,7 @@ import time
 
 from gradagg.demo import launch, options, results
 from gradagg.demo.options import add_arguments
-from gradagg.errors import GradaggError
+from gradagg.errors import require_torch
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     given = launch.given_world()
     cfg = options.config(args, given)
-    require_torch()
+    require_torch("gradagg demo")
     leader = given is None or given[0] == 0
     plotting = leader and plot_available()
     if plotting:
@@ -94,16 +94,6 @@ def demonstrate(cfg: options.Config, given: tuple[int, int] | None = None) -> tu
         ``(this rank, its outcome)``: the per-step errors and losses of every approach, maxima over ranks.
     """
     return launch.run_in_given_world(cfg) if given else (0, launch.run_local(cfg))
-
-
-def require_torch() -> None:
-    """Raise a one-line :class:`GradaggError` with the install hint when torch cannot be imported."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise GradaggError("gradagg demo needs torch: pip install 'gradagg[torch]' (on Linux that is a CUDA build "
-                           "of about 2 GB; for the CPU one, first pip install torch --index-url "
-                           "https://download.pytorch.org/whl/cpu)") from None
 
 
 def plot_available() -> bool:

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from gradagg.errors import CollectiveError, GradaggError
+from gradagg.errors import CollectiveError, GradaggError, first_line, last_line
 
 if TYPE_CHECKING:
     from gradagg.demo.options import Config
@@ -71,8 +71,7 @@ def run_in_given_world(cfg: Config) -> tuple[int, Outcome]:
     try:
         return dist.get_rank(), train(cfg)
     except RuntimeError as exc:  # gloo's errors: one line, as the CLI wants
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CollectiveError(f"rank {dist.get_rank()}: {type(exc).__name__}: {first}") from None
+        raise CollectiveError(f"rank {dist.get_rank()}: {type(exc).__name__}: {first_line(exc)}") from None
     finally:
         if created:
             dist.destroy_process_group()
@@ -99,13 +98,3 @@ def run_local(cfg: Config) -> Outcome:
     if failed:
         raise CollectiveError("; ".join(f"rank {o.rank}: {last_line(o.error)}" for o in failed))
     return outcomes[0].value  # type: ignore[no-any-return]
-
-
-def last_line(text: str | None) -> str:
-    """The last non-blank line of a traceback (the exception), or ``"failed"``.
-
-    >>> last_line("Traceback ...\\n  File x\\nValueError: bad\\n")
-    'ValueError: bad'
-    """
-    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "failed"

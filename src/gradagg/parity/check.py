@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gradagg.errors import GradaggError, ScriptError
+from gradagg.errors import GradaggError, ScriptError, last_line, require_torch
 from gradagg.parity.layouts import check_layouts, default_layouts, format_layout
 from gradagg.parity.types import Layout, ParityReport, TruthResult
 
@@ -57,7 +57,7 @@ def check_parity(
     True
     """
     start = time.perf_counter()
-    _require_torch()
+    require_torch("gradagg parity")
     from gradagg.parity.compare import default_rtol
     from gradagg.parity.script import check_file
     from gradagg.parity.truth import compute_truth
@@ -74,13 +74,6 @@ def check_parity(
                     for layout in chosen]
     return ParityReport(script, checked.window, _lowest_dtype(truth.grads), tol, observations,
                         time.perf_counter() - start)
-
-
-def _require_torch() -> None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise GradaggError("gradagg parity needs torch: pip install 'gradagg[torch]'") from None
 
 
 def _checked_rtol(rtol: float) -> float:
@@ -122,8 +115,7 @@ def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, ch
 
 
 def _launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
-    lines = [ln.strip() for ln in (error or "").strip().splitlines() if ln.strip()]
-    text = (lines[-1] if lines else "failed").removeprefix(f"rank {rank} ")
+    text = last_line(error).removeprefix(f"rank {rank} ")
     if "deadline" in text:
         return f"did not finish within the deadline ({timeout_s:g} s) and was killed: does its step hang?"
     if "SIGABRT" in text:  # no "gloo" or "peer" here: this rank is the cause, not one waiting for another

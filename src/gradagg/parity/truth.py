@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from gradagg.errors import ScriptError
+from gradagg.errors import ScriptError, last_line
 from gradagg.parity.script import check_script
 from gradagg.parity.types import TruthResult
 from gradagg.parity.worker import stdout_to_stderr
@@ -54,8 +54,7 @@ def truth_worker(script: str, cwd: str) -> TruthResult:
 
 
 def _failure(script: str, error: str, timeout_s: float) -> str:
-    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else "failed"
+    last = last_line(error)
     if "deadline" in last:
         return (f"{script}: loading it and computing the full batch did not finish within {timeout_s:g} s: does "
                 "its top level, build_model(), microbatches() or full_batch_loss() hang?")

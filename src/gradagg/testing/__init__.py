@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError
+from gradagg.errors import CollectiveError, last_line
 from gradagg.testing.guard import check_main_guard, reference
 from gradagg.testing.outcomes import RankOutcome, collect, outcome
 from gradagg.testing.rank import rank_main
@@ -170,7 +170,7 @@ def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, **optio
     outcomes = launch_local_world(fn, world_size, *args, **options)
     failed = [o for o in outcomes if not o.ok]
     if failed:
-        heads = "; ".join(f"rank {o.rank}: {_last_line(o.error)}" for o in failed)
+        heads = "; ".join(f"rank {o.rank}: {last_line(o.error)}" for o in failed)
         tails = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
         raise CollectiveError(f"{len(failed)} of {world_size} ranks failed in {_name(fn)}: {heads}\n{tails}")
     return [o.value for o in outcomes]
@@ -227,11 +227,6 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, **options: An
 
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
-
-
-def _last_line(text: str | None) -> str:
-    lines = [ln for ln in (text or "").strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else "unknown error"
 
 
 __all__ = ["RankOutcome", "launch_local_world", "launch_process", "launched_by_torchrun", "run_local_world",

@@ -14,16 +14,14 @@ plain process with no communication when none is.
 
 from __future__ import annotations
 
+from gradagg.errors import TORCH_HINT
+
 try:
     import torch as _torch  # noqa: F401  (only to say what to install when it is missing)
 except ModuleNotFoundError as _missing:
     if _missing.name != "torch":
         raise
-    raise ImportError(
-        "gradagg.torch needs PyTorch, which is not installed: pip install 'gradagg[torch]'. On Linux that pulls "
-        "a CUDA build of torch (about 2 GB); for the CPU build install torch first: pip install torch "
-        "--index-url https://download.pytorch.org/whl/cpu, then pip install gradagg"
-    ) from None
+    raise ImportError(f"gradagg.torch needs PyTorch, which is not installed: {TORCH_HINT}") from None
 
 from gradagg.torch.accumulate import MicrobatchAccumulator
 from gradagg.torch.accumulate.ledger import Ledger

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError
+from gradagg.errors import CollectiveError, first_line
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 
@@ -162,9 +162,8 @@ def _collective(op: str, what: str, elements: int, group: Group, issue: Callable
 
 
 def _failure(name: str, what: str, group: Group, exc: BaseException) -> CollectiveError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return CollectiveError(
-        f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line} "
+        f"rank {get_rank(group)} of {get_world_size(group)}: {name} over {what} failed: {first_line(exc)} "
         "(a peer rank died, diverged or timed out; every rank must call the same collectives in the same order)"
     )
 
@@ -293,12 +292,8 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = N
     """
     # all_gather_single is the newer name (torch >= 2.10); all_gather_into_tensor is deprecated there.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-    def alone() -> None:
-        output.copy_(tensor)
-    _collective(
-        "all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group), alone
-    )
+    _collective("all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group),
+                lambda: output.copy_(tensor))
     return output
 
 

@@ -82,10 +82,7 @@ def owner_reduce(
             raise error
         return {s: t.reshape(ownership.spec(s).shape).clone() for s, t in local.items()}
     layout = _Layout(ownership, world, device_for(group))
-    if _use_gather(collective, layout, group):
-        present, bad_ranks = layout.run_all_gather(local, error is not None, rank, group)
-    else:
-        present, bad_ranks = layout.run_all_reduce(local, error is not None, rank, group)
+    present, bad_ranks = layout.run(_use_gather(collective, layout, group), local, error is not None, rank, group)
     if error is not None:
         raise error
     if bad_ranks:
@@ -205,12 +202,6 @@ class _Layout:
         result = {s: self._view(raw, self.offsets[s], s) for i, s in enumerate(self.order) if meta[i] != 0}
         return result, [r for r, v in enumerate(meta[n:]) if v != 0]
 
-    def run_all_reduce(
-        self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
-    ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
-        buf = self.pack_all_reduce(local, bad, rank)
-        return self.unpack_all_reduce(all_reduce_sum(buf, group))
-
     # --- all_gather: each rank sends its owned shards only ----------------------------------------
 
     def pack_all_gather(self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int) -> torch.Tensor:
@@ -242,12 +233,13 @@ class _Layout:
                 bad_ranks.append(r)
         return {s: result[s] for s in self.order if s in result}, bad_ranks
 
-    def run_all_gather(
-        self, local: dict[ShardId, torch.Tensor], bad: bool, rank: int, group: Group
-    ) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
-        chunk = self.pack_all_gather(local, bad, rank)
+    def run(self, gather: bool, local: dict[ShardId, torch.Tensor], bad: bool, rank: int,
+            group: Group) -> tuple[dict[ShardId, torch.Tensor], list[int]]:
+        """Pack, send (all_gather or all_reduce), unpack: the shards whose owner contributed, the ranks in error."""
+        if not gather:
+            return self.unpack_all_reduce(all_reduce_sum(self.pack_all_reduce(local, bad, rank), group))
         out = self.ownership.pools[2].get(self.world * self.chunk, _LANE, self.device, zero=False)
-        return self.unpack_all_gather(all_gather_into(out, chunk, group))
+        return self.unpack_all_gather(all_gather_into(out, self.pack_all_gather(local, bad, rank), group))
 
     # --- bytes ---------------------------------------------------------------------------------
 
