@@ -111,3 +111,14 @@ def test_writers_keep_values_exact() -> None:
     assert arrow.strings_to_arrow(["a\x00", ""]).to_pylist() == ["a\x00", ""]
     with pytest.raises(FormatError, match=r"shard id '\\ud800' holds surrogates not allowed .a lone surrogate"):
         arrow.strings_to_arrow(["\ud800"])
+
+
+def test_an_adapter_made_from_a_schema_checks_it_and_knows_its_strings() -> None:
+    good = pa.schema([("shard_id", pa.string()), ("worker_id", pa.int32()), ("owner_id", pa.int64()),
+                      ("gradient", pa.list_(pa.float64(), 3))])
+    adapter = arrow.OwnerBatches(good, "f.parquet")
+    assert adapter.strings == ["shard_id"] and adapter.row_bytes == 24 + 8 * 3
+    bad = pa.schema([("shard_id", pa.float64()), ("worker_id", pa.int32()), ("owner_id", pa.int64()),
+                     ("gradient", pa.float64())])
+    with pytest.raises(FormatError, match="f.parquet: column 'shard_id' has type double"):
+        arrow.OwnerBatches(bad, "f.parquet")

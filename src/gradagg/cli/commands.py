@@ -1,7 +1,8 @@
 """The commands: ``owner-sum`` and ``mean`` read, apply the contract, write; ``verify`` runs the checks.
 
 Each reads its input once (:func:`gradagg.formats.detect.read_input`), hands
-the rows or Parquet batches to :mod:`gradagg.engine`, and writes the result
+the rows or Parquet batches to :mod:`gradagg.engine` (``owner-sum`` feeds an
+accumulator, chosen before the input is read), and writes the result
 (:mod:`gradagg.formats.results`). An error in the input names the file
 (:func:`gradagg.formats.detect.named_errors`).
 """
@@ -28,11 +29,13 @@ def owner_sum(args: argparse.Namespace) -> int:
     """``gradagg owner-sum``: each shard's total over its owner's rows, sorted by shard."""
     from gradagg import engine
 
+    totals_of = engine.OwnerSumAccumulator(engine=args.engine, nonfinite=args.nonfinite)  # the contract, chosen
     source = _read(args, OWNER_SUM)
     with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
-            batches = _parquet().owner_batches(source.parquet, progress=progress)
-            shards, totals = engine.owner_sum_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+            for batch in _parquet().owner_batches(source.parquet, progress=progress):
+                totals_of.update(*batch)
+            shards, totals = totals_of.result()
         else:
             rows = text.read_owner_rows(source.text, source.fmt, source.name)
             pairs = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)

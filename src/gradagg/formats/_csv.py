@@ -20,11 +20,14 @@ CANONICAL_INT = re.compile(r"0|-?[1-9][0-9]*")
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _SPECIAL = {s: float(s) for s in ("nan", "inf", "infinity")}
+NUMBER = re.compile(_FLOAT.pattern + r"|[+-]?(?:[nN][aA][nN]|[iI][nN][fF](?:[iI][nN][iI][tT][yY])?)")
+"""A (stripped) CSV cell written as a number, by the grammar of :mod:`gradagg.formats.text` (with ``fullmatch``):
+a decimal (an integer is one), or ``nan``, ``inf``, ``infinity`` in any case, each with an optional sign."""
 
 
 def is_number(cell: str) -> bool:
-    """Whether a (stripped) CSV cell is written as a number, by the grammar of :mod:`gradagg.formats.text`."""
-    return bool(_INT.fullmatch(cell) or _FLOAT.fullmatch(cell)) or _special(cell) is not None
+    """Whether a (stripped) CSV cell is written as a number (:data:`NUMBER`)."""
+    return NUMBER.fullmatch(cell) is not None
 
 
 def _special(cell: str) -> float | None:

@@ -158,15 +158,33 @@ class OwnerBatches:
     Parquet reader hands each batch of a row group the dictionary so far, so
     only its new tail is decoded.
 
+    Args:
+        schema: the table's or file's schema, checked here, before any row is read
+            (:func:`check_owner_schema`); None: each batch's is checked as it comes.
+        source: the file name, for messages.
+
+    Attributes:
+        strings: the id columns that hold strings (to be read as dictionaries).
+        row_bytes: the bytes one row decodes to (three 8-byte ids and the gradient); 32 without a schema.
+
+    Raises:
+        FormatError: as :func:`check_owner_schema`.
+
     >>> batches = OwnerBatches()
     >>> batch = pa.record_batch([pa.array(["x"]), pa.array([1]), pa.array([1]), pa.array([0.5])], names=OWNER_COLUMNS)
     >>> [c.tolist() for c in batches.columns(batch)]
     [['x'], [1], [1], [0.5]]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, schema: pa.Schema | None = None, source: str = "input") -> None:
         self.rows = 0
         self._strings = [_Dictionary(name) for name in OWNER_COLUMNS[:3]]
+        self.strings: list[str] = []
+        self.row_bytes = 32
+        if schema is not None:
+            dim = check_owner_schema(schema, source).dim
+            self.strings = [name for name in OWNER_COLUMNS[:3] if is_string(schema.field(name).type)]
+            self.row_bytes = 24 + 8 * (dim or 1)
 
     def columns(self, batch: pa.RecordBatch) -> tuple[Any, Array, Array, Array]:
         """``(shard_ids, worker_ids, owner_ids, gradients)`` of one record batch.

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
 from gradagg.errors import FormatError, GradaggError
-from gradagg.formats._csv import is_number
+from gradagg.formats._csv import NUMBER
 from gradagg.formats._json import OWNER_FIELDS
 
 _SPACES = re.compile(rb"[ \t\r\n]*")
@@ -335,16 +335,16 @@ def contract_of(source: Input) -> str | None:
     try:
         if source.fmt == "parquet":
             return _parquet_contract(source.parquet)
-        if source.fmt == "csv":
-            return _csv_contract(source.text)
         if source.fmt == "jsonl":
             return _rows_contract([json.loads(line) for line in source.text.splitlines() if line.strip()])
-        value = json.loads(source.text)
+        if source.fmt == "json":
+            value = json.loads(source.text)
+            if isinstance(value, dict):
+                return "microbatch-mean" if "rows" in value else None
+            return _rows_contract(value) if isinstance(value, list) else None
+        return _csv_contract(source.text) if source.fmt == "csv" else None
     except Exception:  # noqa: BLE001  (a hint only: what cannot be read, pyarrow's errors included, gives none)
         return None
-    if isinstance(value, dict):
-        return "microbatch-mean" if "rows" in value else None
-    return _rows_contract(value) if isinstance(value, list) else None
 
 
 def _rows_contract(rows: list[object]) -> str | None:
@@ -370,7 +370,7 @@ def _csv_contract(text: str) -> str | None:
     if lines and [c.strip() for c in lines[0]] == list(OWNER_FIELDS):
         return "owner-sum"
     cells = [c.strip() for line in lines[1:] for c in line]
-    return "microbatch-mean" if all(c == "" or is_number(c) for c in cells) else None
+    return "microbatch-mean" if all(c == "" or NUMBER.fullmatch(c) for c in cells) else None
 
 
 def _parquet_contract(parquet: object) -> str | None:

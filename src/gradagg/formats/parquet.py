@@ -92,12 +92,10 @@ def owner_batches(path: Source, *, progress: Progress | None = None) -> Iterator
     [[7], [1], [1], [0.5]]
     """
     pf = _open(path)
-    schema = arrow.check_owner_schema(pf.schema_arrow, _source(path))
-    strings = [name for name in OWNER_COLUMNS[:3] if arrow.is_string(pf.schema_arrow.field(name).type)]
-    if strings:  # reopened so that strings arrive as small dictionaries plus indices: decoded once per distinct id
-        pf = _open(path, read_dictionary=strings)
-    row_bytes = 24 + 8 * (schema.dim or 1)  # three 8-byte ids and the gradient, as decoded
-    yield from _batches(pf, path, list(OWNER_COLUMNS), row_bytes, arrow.OwnerBatches().columns, progress)
+    adapter = arrow.OwnerBatches(pf.schema_arrow, _source(path))  # the schema checked before any row is read
+    if adapter.strings:  # reopened so that strings arrive as small dictionaries plus indices: decoded once per id
+        pf = _open(path, read_dictionary=adapter.strings)
+    yield from _batches(pf, path, list(OWNER_COLUMNS), adapter.row_bytes, adapter.columns, progress)
 
 
 def microbatch_batches(path: Source, *, progress: Progress | None = None) -> Iterator[tuple[Any, Any]]:
