@@ -27,9 +27,10 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from gradagg import reference  # noqa: E402  (after the importorskips)
 from gradagg.cli.progress import ProgressLine  # noqa: E402
+from tests.engine.engine_inputs import JIT  # noqa: E402
 
 FORMATS = ["json", "jsonl", "csv", "parquet"]
-ENGINES = ["auto", "python", "numpy", "torch"]
+ENGINES = ["auto", "python", "numpy", *JIT, "torch"]
 
 
 def assert_one_line_error(status: int, out: str, err: str, fragment: str) -> None:
@@ -286,7 +287,7 @@ def test_no_progress_on_a_terminal_for_short_input_or_with_quiet(tmp_path: Path,
 def test_help_names_engines_and_auto_choice(cli: Any) -> None:
     status, out, _ = cli("owner-sum", "--help")
     flat = " ".join(out.split())
-    assert status == 0 and "{auto,python,numpy,torch}" in flat and "streaming numpy engine for Parquet" in flat
+    assert status == 0 and "{auto,python,numpy,numba,torch}" in flat and "streaming numpy engine for Parquet" in flat
 
 
 def test_parquet_from_standard_input(tmp_path: Path) -> None:
