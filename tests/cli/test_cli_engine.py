@@ -364,3 +364,25 @@ def test_lone_surrogate_id_to_parquet_is_refused(tmp_path: Path, cli: Any) -> No
     out = tmp_path / "out.parquet"
     assert_one_line_error(*cli("owner-sum", path, "-o", str(out)), "lone surrogate")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+
+
+CHOICES_AND_NUMBA = [("auto", False), ("numpy", False), *[("numba", True) for _ in JIT]]
+
+
+@pytest.mark.parametrize(("engine", "loads_numba"), CHOICES_AND_NUMBA)
+def test_auto_on_a_parquet_file_is_numpy_never_numba(tmp_path: Path, engine: str, loads_numba: bool) -> None:
+    """One run over one file: --engine auto resolves to numpy in the command (no numba import); --engine numba
+    still loads the kernels (the answers are checked against the reference by the tests above)."""
+    mean_path = write_mean(tmp_path, mean_rows(3), "parquet")
+    owner_path = tmp_path / "owner.parquet"
+    pq.write_table(pa.table({"shard_id": [2, 1, 2], "worker_id": [0, 0, 1], "owner_id": [0, 0, 0],
+                             "gradient": [0.5, 1.0, 4.0]}), owner_path)
+    code = (
+        "import sys\n"
+        "from gradagg.cli import main\n"
+        f"for argv in (['owner-sum', {str(owner_path)!r}], ['mean', {mean_path!r}]):\n"
+        f"    assert main([*argv, '--engine', {engine!r}, '-q']) == 0\n"
+        "print('numba' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines()[-1] == str(loads_numba), proc.stdout
