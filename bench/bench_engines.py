@@ -5,7 +5,9 @@ wall times, each with its ratio to that case's memory-read floor (one
 ``numpy.sum`` over the same input bytes). Every engine and peer runs side by
 side on the same arrays in one process, taking turns (round-robin) so that
 background noise on a shared machine hits all of them alike; each has one
-untimed warm-up run first (caches fill, pages fault in).
+untimed warm-up run first (numba compiles, caches fill, pages fault in).
+gradagg runs with each engine named: ``numba`` (what ``auto`` picks for NumPy
+arrays where numba is installed) and ``numpy`` (pure NumPy).
 Only one case's data is alive at a time.
 
     .venv/bin/python bench/bench_engines.py            # full sizes, ~3 minutes on 2 cores
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import sys
 import time
@@ -28,6 +31,8 @@ from typing import Any
 import numpy as np
 
 Runner = Callable[[], object]
+# The numba engine's row, where numba is installed (engine="auto" picks it for NumPy arrays then).
+JIT = [("numba", " (auto)")] if importlib.util.find_spec("numba") else []
 
 
 @dataclass
@@ -75,7 +80,8 @@ def gradagg_runners(d: dict[str, Any]) -> dict[str, Runner]:
     cols = [d["shard_id"], d["worker_id"], d["owner_id"], d["gradient"]]
     tcols = [c if c.dtype.kind == "U" else torch.from_numpy(c) for c in cols]
     return {
-        "gradagg auto (numpy)": lambda: owner_sum_columns(*cols),
+        **{f"gradagg {name}{note}": (lambda name=name: owner_sum_columns(*cols, engine=name)) for name, note in JIT},
+        "gradagg numpy (pure NumPy)": lambda: owner_sum_columns(*cols, engine="numpy"),
         "gradagg torch tensors (auto)": lambda: owner_sum_columns(*tcols),
     }
 
@@ -132,7 +138,9 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     sql = "SELECT (" + " + ".join(f"COALESCE({k}, 0)" for k in arrays) + f") / {m} FROM t"
 
     runners: dict[str, Runner] = {
-        "gradagg auto (numpy)": lambda: microbatch_mean_columns(values, present),
+        **{f"gradagg {name}{note}": (lambda name=name: microbatch_mean_columns(values, present, engine=name))
+           for name, note in JIT},
+        "gradagg numpy (pure NumPy)": lambda: microbatch_mean_columns(values, present, engine="numpy"),
         "gradagg torch tensors (auto)": lambda: microbatch_mean_columns(tv, tp),
         "numpy where+sum (naive)": lambda: np.where(present, values, 0).sum(axis=0, dtype=np.float64) / m,
         "torch where+sum (naive)": lambda: torch.where(tp, tv, 0).sum(0, dtype=torch.float64) / m,
@@ -176,7 +184,7 @@ def environment() -> str:
             model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    names = ("numpy", "torch", "pyarrow", "pandas", "polars", "duckdb")
+    names = ("numpy", "numba", "torch", "pyarrow", "pandas", "polars", "duckdb")
     versions = []
     for name in names:
         try:

@@ -23,8 +23,8 @@ Contract: TypeAlias = Literal["owner-sum", "microbatch-mean"]
 CONTRACTS: tuple[Contract, ...] = ("owner-sum", "microbatch-mean")
 """The two contracts, by the names ``gradagg verify --contract`` and :mod:`gradagg.verify` use."""
 
-Engine: TypeAlias = Literal["auto", "python", "numpy", "torch"]
-ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "torch")
+Engine: TypeAlias = Literal["auto", "python", "numpy", "numba", "torch"]
+ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "numba", "torch")
 """``"auto"`` lets :mod:`gradagg.engine` choose by the input's kind; the others name a backend."""
 
 

@@ -27,9 +27,10 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from gradagg import reference  # noqa: E402  (after the importorskips)
 from gradagg.cli.progress import ProgressLine  # noqa: E402
+from tests.engine.engine_inputs import JIT  # noqa: E402
 
 FORMATS = ["json", "jsonl", "csv", "parquet"]
-ENGINES = ["auto", "python", "numpy", "torch"]
+ENGINES = ["auto", "python", "numpy", *JIT, "torch"]
 
 
 def assert_one_line_error(status: int, out: str, err: str, fragment: str) -> None:
@@ -286,7 +287,7 @@ def test_no_progress_on_a_terminal_for_short_input_or_with_quiet(tmp_path: Path,
 def test_help_names_engines_and_auto_choice(cli: Any) -> None:
     status, out, _ = cli("owner-sum", "--help")
     flat = " ".join(out.split())
-    assert status == 0 and "{auto,python,numpy,torch}" in flat and "streaming numpy engine for Parquet" in flat
+    assert status == 0 and "{auto,python,numpy,numba,torch}" in flat and "streaming numpy engine for Parquet" in flat
 
 
 def test_parquet_from_standard_input(tmp_path: Path) -> None:
@@ -363,3 +364,25 @@ def test_lone_surrogate_id_to_parquet_is_refused(tmp_path: Path, cli: Any) -> No
     out = tmp_path / "out.parquet"
     assert_one_line_error(*cli("owner-sum", path, "-o", str(out)), "lone surrogate")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+
+
+CHOICES_AND_NUMBA = [("auto", False), ("numpy", False), *[("numba", True) for _ in JIT]]
+
+
+@pytest.mark.parametrize(("engine", "loads_numba"), CHOICES_AND_NUMBA)
+def test_auto_on_a_parquet_file_is_numpy_never_numba(tmp_path: Path, engine: str, loads_numba: bool) -> None:
+    """One run over one file: --engine auto resolves to numpy in the command (no numba import); --engine numba
+    still loads the kernels (the answers are checked against the reference by the tests above)."""
+    mean_path = write_mean(tmp_path, mean_rows(3), "parquet")
+    owner_path = tmp_path / "owner.parquet"
+    pq.write_table(pa.table({"shard_id": [2, 1, 2], "worker_id": [0, 0, 1], "owner_id": [0, 0, 0],
+                             "gradient": [0.5, 1.0, 4.0]}), owner_path)
+    code = (
+        "import sys\n"
+        "from gradagg.cli import main\n"
+        f"for argv in (['owner-sum', {str(owner_path)!r}], ['mean', {mean_path!r}]):\n"
+        f"    assert main([*argv, '--engine', {engine!r}, '-q']) == 0\n"
+        "print('numba' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.splitlines()[-1] == str(loads_numba), proc.stdout

@@ -8,6 +8,7 @@ engine says it cannot hold exactly, a clear :class:`~gradagg.errors.GradaggError
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import struct
 from collections.abc import Iterator
@@ -19,7 +20,10 @@ from hypothesis import strategies as st
 
 # Derandomized: the same examples on every run and machine (a failure prints the example to rerun).
 FUZZ = settings(derandomize=True, deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
-IMPLS = ("numpy", "torch", "python")
+# The numba engine (NumPy with fused kernels) wherever numba is installed: every engine test runs it too.
+JIT: tuple[str, ...] = ("numba",) if importlib.util.find_spec("numba") else ()
+NUMPY_LIKE = ("numpy", *JIT)
+IMPLS = (*NUMPY_LIKE, "torch", "python")
 
 INT_IDS = [0, 1, -1, 7, 2**31, 2**53 - 1, 2**53, 2**53 + 1, 2**63 - 1, -(2**63)]
 STR_IDS = ["", "a", "a\x00", "\x00", "a\x00\x00", "b", "é", "\U0001f600", "\ud800", "x" * 300, "A", "a\x01"]

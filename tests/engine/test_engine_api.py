@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from gradagg.errors import (
     RowShapeError,
     UnorderableShardError,
 )
+from tests.engine.engine_inputs import IMPLS, JIT, NUMPY_LIKE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,25 +70,29 @@ def test_lazy_names_and_backend_symmetry() -> None:
     """The package exposes the columnar functions lazily; every backend module has the same names."""
     assert gradagg.owner_sum_columns is owner_sum_columns
     assert gradagg.microbatch_mean_columns is microbatch_mean_columns
-    for module in (numpy_backend, torch_backend, python_backend):
+    jit = [importlib.import_module("gradagg.backends.numba")] if JIT else []
+    for module in (numpy_backend, *jit, torch_backend, python_backend):
         for name in ("owner_sum", "microbatch_mean", "OwnerSumAccumulator", "MicrobatchMeanAccumulator"):
             assert hasattr(module, name), (module.__name__, name)
 
 
 def test_engine_choice() -> None:
-    """auto: torch tensors -> torch, anything else -> numpy; explicit names pass through; unknown names fail."""
+    """auto: torch tensors -> torch, NumPy arrays and Arrow tables -> numba where installed, anything else ->
+    numpy; explicit names pass through (numpy stays pure NumPy); unknown names fail."""
     assert resolve_engine("auto", torch.zeros(1)) == "torch"
-    assert resolve_engine("auto", np.zeros(1)) == "numpy"
+    assert resolve_engine("auto", np.zeros(1)) == ("numba" if JIT else "numpy")
+    assert resolve_engine("auto", pa.table({"x": [1.0]})) == ("numba" if JIT else "numpy")
     assert resolve_engine("auto", [1.0]) == "numpy"
+    assert resolve_engine("numpy", np.zeros(1)) == "numpy"
     assert resolve_engine("python", torch.zeros(1)) == "python"
-    assert set(available_engines()) == {"python", "numpy", "torch"}
-    with pytest.raises(GradaggError, match="engine must be one of auto, python, numpy, torch; got 'cuda'"):
+    assert set(available_engines()) == {"python", *NUMPY_LIKE, "torch"}
+    with pytest.raises(GradaggError, match="engine must be one of auto, python, numpy, numba, torch; got 'cuda'"):
         owner_sum_columns([1], [0], [0], [1.0], engine="cuda")
     with pytest.raises(GradaggError, match="nonfinite must be 'propagate' or 'raise'"):
         owner_sum_columns([1], [0], [0], [1.0], nonfinite="ignore")
 
 
-@pytest.mark.parametrize("engine", ["numpy", "torch", "python"])
+@pytest.mark.parametrize("engine", IMPLS)
 def test_results_come_back_in_the_input_kind(engine: str) -> None:
     """NumPy in -> NumPy out and torch in -> torch out, whichever engine ran."""
     cols = (np.array([2, 1]), np.array([0, 0]), np.array([0, 0]), np.array([1.0, 2.0]))
@@ -111,7 +117,7 @@ OWNER_ERRORS: list[tuple[tuple[Any, ...], type[Exception], str]] = [
 
 
 @pytest.mark.parametrize("columns, error, match", OWNER_ERRORS)
-@pytest.mark.parametrize("engine", ["numpy", "torch"])
+@pytest.mark.parametrize("engine", [*NUMPY_LIKE, "torch"])
 def test_owner_sum_errors_name_where_and_what(
     engine: str, columns: tuple[Any, ...], error: type[Exception], match: str
 ) -> None:
@@ -151,7 +157,7 @@ def test_accumulator_rejects_a_batch_that_changes_kind() -> None:
         acc.update(np.array(["b"], dtype=object), np.array([0]), np.array([0]), np.ones((1, 2)))
 
 
-@pytest.mark.parametrize("engine", ["numpy", "torch", "python"])
+@pytest.mark.parametrize("engine", IMPLS)
 def test_ids_of_different_kinds_compare_as_the_reference_compares_them(engine: str) -> None:
     """An int worker never equals a str owner (the row is a replica), as in the reference; no error."""
     rows = [[1, 0, "0", 1.0], [2, "w", "w", 2.0], [3, 2**64, 2**64, 4.0]]
@@ -220,11 +226,13 @@ def test_benchmark_script_quick_smoke(capsys: pytest.CaptureFixture[str], monkey
     spec.loader.exec_module(bench)
     assert bench.main(["--quick", "--repeat", "1", "--only", "str ids"]) == 0
     out = capsys.readouterr().out
-    for name in ("memory-read floor", "gradagg auto", "pandas groupby", "Polars lazy", "DuckDB SQL"):
+    ours = ["gradagg numba (auto)"] if JIT else []
+    ours.append("gradagg numpy (pure NumPy)")
+    for name in ("memory-read floor", *ours, "pandas groupby", "Polars lazy", "DuckDB SQL"):
         assert name in out
 
 
-@pytest.mark.parametrize("engine", ["python", "numpy", "torch"])
+@pytest.mark.parametrize("engine", IMPLS)
 @pytest.mark.parametrize("gradients", [[2**63, 1], [2**64, -(2**64) + 3], [-(2**63) - 1, 0]])
 def test_integers_beyond_int64_are_exact_or_refused(engine: str, gradients: list[int]) -> None:
     """The reference sums Python ints exactly (2**63 + 1 = 9223372036854775809): the python engine gives that
@@ -240,7 +248,7 @@ def test_integers_beyond_int64_are_exact_or_refused(engine: str, gradients: list
     assert got == want and all(type(t) is int for _, t in got), (got, want)
 
 
-@pytest.mark.parametrize("engine", ["python", "numpy", "torch"])
+@pytest.mark.parametrize("engine", IMPLS)
 @pytest.mark.parametrize("mask_shape", [(2, 2), (3, 3), (2, 4), (1, 3), (2,)])
 def test_a_mask_of_another_shape_is_refused(engine: str, mask_shape: tuple[int, ...]) -> None:
     """values (2, 3) with a present mask of any other shape: every engine refuses, naming both shapes."""
@@ -252,7 +260,7 @@ def test_a_mask_of_another_shape_is_refused(engine: str, mask_shape: tuple[int, 
 
 
 @pytest.mark.parametrize(("missing", "engine", "extra"), [("numpy", "numpy", "numpy"), ("torch", "torch", "torch"),
-                                                          ("numpy", "torch", "torch")])
+                                                          ("numpy", "torch", "torch"), ("numba", "numba", "jit")])
 def test_an_engine_whose_framework_is_missing_says_what_to_install(missing: str, engine: str, extra: str) -> None:
     """With the framework's import failing (None in sys.modules, as if not installed), asking for its engine is
     one GradaggError line naming the package and the install; "auto" falls back to the reference."""

@@ -16,8 +16,7 @@ import torch
 from gradagg import mutants, reference
 from gradagg.engine import MicrobatchMeanAccumulator, microbatch_mean_columns
 from gradagg.errors import GradientShapeError, GradientTypeError, NonFiniteGradientError, RowShapeError
-
-IMPLS = ["numpy", "torch", "python"]
+from tests.engine.engine_inputs import IMPLS, NUMPY_LIKE
 
 
 @pytest.fixture(params=IMPLS)
@@ -155,7 +154,7 @@ def test_python_scalars_in_lists_match_reference() -> None:
     ],
 )
 def test_bad_input_is_named(values: np.ndarray, present: Any, error: type[Exception], match: str) -> None:
-    for engine in ("numpy", "torch"):
+    for engine in (*NUMPY_LIKE, "torch"):
         v = torch.from_numpy(values) if engine == "torch" else values
         p = torch.from_numpy(present) if engine == "torch" and present is not None else present
         with pytest.raises(error, match=match):

@@ -19,8 +19,8 @@ from gradagg import mutants, reference
 from gradagg.backends import _tables
 from gradagg.engine import OwnerSumAccumulator, owner_sum_columns
 from gradagg.errors import GradaggError, NonFiniteGradientError
+from tests.engine.engine_inputs import IMPLS, NUMPY_LIKE
 
-IMPLS = ["numpy", "torch", "python"]
 Columns = tuple[Any, Any, Any, Any]
 
 
@@ -219,7 +219,37 @@ def test_ids_that_grow_or_leave_the_dense_table_keep_row_order(monkeypatch: pyte
     if late_ids == "sparse":
         shard[1000:] *= 10**9
     columns = (shard, worker, owner, grad)
-    assert_same(run("numpy", columns), reference_of(columns), late_ids)
+    for engine in NUMPY_LIKE:
+        assert_same(run(engine, columns), reference_of(columns), (engine, late_ids))
+
+
+@pytest.mark.parametrize("late_ids", ["dense", "growing", "sparse"])
+def test_two_core_split_keeps_row_order(monkeypatch: pytest.MonkeyPatch, late_ids: str) -> None:
+    """With the kernels, big scalar batches are split between a fused front pass and a compacting helper thread.
+
+    With 64-row chunks a 2000-row batch takes that path; the results stay the
+    reference's bits when later ids stay in range, grow the table, or leave the
+    dense range altogether (the sorted table then takes the remaining rows).
+    """
+    monkeypatch.setattr(_tables, "CHUNK", 64)
+    monkeypatch.setattr(_tables, "DENSE_LIMIT", 1 << 16)
+    shard, worker, owner, grad = random_columns(8, 2000, "dense", "f64")
+    if late_ids == "growing":
+        shard[1500:] += 40_000
+    if late_ids == "sparse":
+        shard[1000:] *= 10**9
+    columns = (shard, worker, owner, grad)
+    for engine in NUMPY_LIKE:
+        assert_same(run(engine, columns), reference_of(columns), (engine, late_ids))
+
+
+@pytest.mark.parametrize("ids", ["dense", "sparse"])
+def test_vector_components_split_between_threads(monkeypatch: pytest.MonkeyPatch, ids: str) -> None:
+    """Big vector batches sum half the components on a second thread (with the kernels): the reference's bits."""
+    monkeypatch.setattr(_tables, "SPLIT_MIN", 0)
+    columns = random_columns(9, 500, ids, "vec32")
+    for engine in NUMPY_LIKE:
+        assert_same(run(engine, columns), reference_of(columns), (engine, ids))
 
 
 @pytest.mark.parametrize("later", [[2**63], [2**64 + 5, -(2**70)], ["s"], np.array(["s", "t"])])
@@ -229,7 +259,7 @@ def test_ids_beyond_int64_or_strings_after_int64_batches(later: Any) -> None:
     first = [0, 5, 0]
     rows = [[s, 0, 0, float(k)] for k, s in enumerate(first + list(later))]
     want = outcome_of(lambda: reference.owner_sum(rows))
-    for engine in ("numpy", "torch", "python"):
+    for engine in IMPLS:
 
         def fed(engine: str = engine) -> list[list[Any]]:
             acc = OwnerSumAccumulator(engine=engine)

@@ -25,8 +25,9 @@ from gradagg import reference  # noqa: E402
 from gradagg.engine import microbatch_mean_batches, owner_sum_batches  # noqa: E402
 from gradagg.errors import FormatError, GradaggError, IdError, NonFiniteGradientError, OutputError  # noqa: E402
 from gradagg.formats import parquet  # noqa: E402  (after the importorskips)
+from tests.engine.engine_inputs import JIT  # noqa: E402
 
-ENGINES = ["numpy", "python", "torch"]
+ENGINES = ["numpy", *JIT, "python", "torch"]
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,9 @@
 One sum per parameter, microbatch by microbatch, from +0.0 (the reference's
 ``0`` start), divided by M, the microbatches counted; an absent value adds
 nothing and still counts in M. Float values are summed in float64 (NumPy's
-``add(..., where=)`` in blocks), integer values in int64, exactly, then
-divided as Python divides integers.
+``add(..., where=)`` in blocks; or, given ``kernels``, the ``numba`` engine's
+loops: masked bits, four rows per visit, the division in cache), integer
+values in int64, exactly, then divided as Python divides integers.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _IEEE = np.errstate(over="ignore", invalid="ignore")
 
 @_IEEE
 def microbatch_mean(
-    values: Any, present: Any = None, *, nonfinite: str = "propagate", parameter_offset: int = 0
+    values: Any, present: Any = None, *, nonfinite: str = "propagate", parameter_offset: int = 0,
+    kernels: Any = None,
 ) -> Any:
     """Microbatch mean on NumPy input (see :func:`gradagg.engine.microbatch_mean_columns`).
 
@@ -37,6 +39,7 @@ def microbatch_mean(
         present: ``(M, P)`` boolean mask for array input; ``None`` = all present.
         nonfinite: ``"propagate"`` or ``"raise"``.
         parameter_offset: the number of the first parameter, in messages (a batch of a longer input).
+        kernels: :mod:`gradagg.backends._kernels` for the fused loops (the ``numba`` engine), or None.
 
     Returns:
         ``(P,)`` float64 means (divisor M), or a list of P float64 arrays for list input.
@@ -60,7 +63,7 @@ def microbatch_mean(
         acc.update(v, mask)
         return acc.result()
     means = np.zeros(v.shape[1], dtype=np.float64)
-    _add_rows(means, v, mask, divisor=v.shape[0])  # the divisor is M, counted, nothing else
+    _add_rows(means, v, mask, kernels, divisor=v.shape[0])  # the divisor is M, counted, nothing else
     return means
 
 
@@ -73,6 +76,7 @@ class MicrobatchMeanAccumulator:
 
     Args:
         nonfinite: ``"propagate"`` or ``"raise"``.
+        kernels: :mod:`gradagg.backends._kernels` for the fused loops (the ``numba`` engine), or None.
 
     >>> acc = MicrobatchMeanAccumulator()
     >>> acc.update(np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[True, False], [True, True]]))
@@ -80,8 +84,9 @@ class MicrobatchMeanAccumulator:
     [2.0, 2.0]
     """
 
-    def __init__(self, *, nonfinite: str = "propagate") -> None:
+    def __init__(self, *, nonfinite: str = "propagate", kernels: Any = None) -> None:
         self._nonfinite = check_nonfinite(nonfinite)
+        self._kernels = kernels
         self._sums: Array | None = None
         self._m = 0  # the divisor: microbatches counted, nothing else
 
@@ -107,7 +112,7 @@ class MicrobatchMeanAccumulator:
                                                 self._sums.dtype == np.int64, v.dtype.name, self._sums.dtype.name)
         if kind == np.int64:
             _checks.check_int_headroom(v if mask is None else v[mask], int(np.abs(self._sums).max(initial=0)))
-        _add_rows(self._sums, v, mask)
+        _add_rows(self._sums, v, mask, self._kernels)
         self._m += v.shape[0]
 
     @_IEEE
@@ -122,11 +127,19 @@ class MicrobatchMeanAccumulator:
         return _checks.exact_means(self._sums, self._m)
 
 
-def _add_rows(sums: Array, values: Array, present: Array | None, divisor: int = 0) -> None:
+def _add_rows(sums: Array, values: Array, present: Array | None, kernels: Any, divisor: int = 0) -> None:
     """``sums += values`` where present, microbatch by microbatch (each element in microbatch order).
 
     A non-zero ``divisor`` then divides the sums in place (the one-shot mean).
     """
+    k = kernels
+    if k is not None and values.size and sums.dtype.kind == "f" and (present is None or values.dtype.kind == "f"):
+        ranges = k.column_ranges(values.shape[1], values.size)
+        if len(ranges) == 1:
+            _kernel_rows(k, sums, values, present, divisor, *ranges[0])
+        else:
+            list(k.pool().map(lambda r: _kernel_rows(k, sums, values, present, divisor, *r), ranges))
+        return
     # Blocks keep the float64 sums in cache; `where=` adds without a masked temporary.
     for start in range(0, values.shape[1], _MEAN_BLOCK):
         block = slice(start, start + _MEAN_BLOCK)
@@ -135,6 +148,18 @@ def _add_rows(sums: Array, values: Array, present: Array | None, divisor: int = 
             np.add(sums[block], values[i, block], out=sums[block], where=where)
     if divisor:
         sums /= divisor
+
+
+def _kernel_rows(
+    k: Any, sums: Array, values: Array, present: Array | None, divisor: int, start: int, stop: int
+) -> None:
+    if present is None:
+        k.rows_sum(values, sums, start, stop, float(divisor))
+        return
+    bits = np.dtype(f"u{values.dtype.itemsize}")
+    scratch = np.empty((4, k.BLOCK), dtype=values.dtype)
+    masks = (present.view(np.uint8), scratch.view(bits), scratch)
+    k.masked_rows_sum(values.view(bits), masks[0], sums, start, stop, masks[1], masks[2], float(divisor))
 
 
 def _mean_of_lists(rows: Any, nonfinite: str) -> list[Array]:

@@ -4,7 +4,12 @@ Owner-sum keeps a table of per-shard totals, in one of two layouts:
 
 * dense: integer shard ids whose range is small (at most ``_tables.DENSE_LIMIT``
   table cells) index the table directly, ``totals[shard - lo]``; the table
-  grows (at least doubling) when a batch's ids fall outside it;
+  grows (at least doubling) when a batch's ids fall outside it. With the
+  kernels (the ``numba`` engine) one fused pass does compare, mask and add,
+  and batches of at least two chunks of scalar gradients use a second core:
+  it copies the owner rows of the batch's back half out of the way while the
+  first core adds the front half, then the first core adds those copies,
+  still chunk after chunk in row order;
 * sorted: any other integer ids (sparse, or vectors too wide for a dense
   table) are factorised (:mod:`gradagg.backends._factor`): the owner rows'
   ids are sorted and made unique, merged into the table's sorted keys, and
@@ -24,7 +29,9 @@ float totals are bit-identical to :func:`gradagg.reference.owner_sum`.
 
 The tables live in :mod:`gradagg.backends._tables`, the microbatch mean in
 :mod:`gradagg.backends._mean`; the adds are ``np.add.at``, which is unbuffered
-and goes in row order.
+and goes in row order, or, given ``kernels`` (:mod:`gradagg.backends._kernels`,
+handed over by :mod:`gradagg.backends.numba`), fused numba loops that add in
+the same order. The engine picks which by its ``engine`` argument only.
 """
 
 from __future__ import annotations
@@ -34,9 +41,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from gradagg.backends import _checks, _strings
+from gradagg.backends import _checks, _strings, _tables
 from gradagg.backends._mean import MicrobatchMeanAccumulator, microbatch_mean
-from gradagg.backends._tables import DenseTable, SortedTable
+from gradagg.backends._tables import DenseTable, SortedTable, TwoEnds
 from gradagg.errors import GradientShapeError, GradientTypeError, UnorderableShardError, short_repr
 from gradagg.options import check_nonfinite
 
@@ -47,7 +54,8 @@ _IEEE = np.errstate(over="ignore", invalid="ignore")
 
 
 def owner_sum(
-    shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: Any, *, nonfinite: str = "propagate"
+    shard_ids: Any, worker_ids: Any, owner_ids: Any, gradients: Any, *, nonfinite: str = "propagate",
+    kernels: Any = None,
 ) -> tuple[Array, Array]:
     """Owner-only shard reduction on NumPy columns (see :func:`gradagg.engine.owner_sum_columns`).
 
@@ -57,6 +65,7 @@ def owner_sum(
         owner_ids: N owner ids, of the same type as ``worker_ids``.
         gradients: ``(N,)`` or ``(N, D)`` integers or floats.
         nonfinite: ``"propagate"`` or ``"raise"``.
+        kernels: :mod:`gradagg.backends._kernels` for the fused loops (the ``numba`` engine), or None.
 
     Returns:
         ``(shards, totals)``: sorted shards with an owner row; int64 or float64 totals.
@@ -68,7 +77,7 @@ def owner_sum(
     >>> s.tolist(), t.tolist()
     ([1, 3], [2.0, 1.0])
     """
-    acc = OwnerSumAccumulator(nonfinite=nonfinite)
+    acc = OwnerSumAccumulator(nonfinite=nonfinite, kernels=kernels)
     acc.update(shard_ids, worker_ids, owner_ids, gradients)
     return acc.result()
 
@@ -81,6 +90,7 @@ class OwnerSumAccumulator:
 
     Args:
         nonfinite: ``"propagate"`` or ``"raise"``.
+        kernels: :mod:`gradagg.backends._kernels` for the fused loops (the ``numba`` engine), or None.
 
     >>> acc = OwnerSumAccumulator()
     >>> acc.update(np.array(["a"]), np.array([0]), np.array([0]), np.array([[1, 2]]))
@@ -89,8 +99,9 @@ class OwnerSumAccumulator:
     [['a'], [[4, 6]]]
     """
 
-    def __init__(self, *, nonfinite: str = "propagate") -> None:
+    def __init__(self, *, nonfinite: str = "propagate", kernels: Any = None) -> None:
         self._nonfinite = check_nonfinite(nonfinite)
+        self._kernels = kernels
         self._rows = 0  # rows fed so far: the offset of the next batch's row numbers
         self._id_kind: str | None = None
         self._names = _strings.Interner()  # codes of string shard ids
@@ -146,8 +157,12 @@ class OwnerSumAccumulator:
     def _add_dense(self, shards: Array, workers: Array, owners: Array, grads: Array, owned: Array | None) -> int:
         """Add rows into the dense table, growing it as ids require; return the row where a sorted table takes over."""
         if self._table is None:
-            self._table = DenseTable(0, 0, self._shape or (), self._dtype) if self._id_kind != "fixed" else None
+            fixed = self._id_kind == "fixed"
+            self._table = None if fixed else DenseTable(0, 0, self._shape or (), self._dtype, self._kernels)
         n = len(shards)
+        two_cores = self._kernels is not None and grads.ndim == 1 and n >= 2 * _tables.CHUNK
+        if two_cores and isinstance(self._table, DenseTable):
+            return self._dense_two_cores(shards, workers, owners, grads)
         stop = self._dense_rows(0, n, shards, workers, owners, grads, owned)
         if self._table is None:  # <U ids: straight to the sorted table
             self._table = self._sorted(None)
@@ -167,6 +182,42 @@ class OwnerSumAccumulator:
             grown = self._table.grown(lo, hi)
             self._table = grown if grown is not None else self._sorted(self._table)
         return start
+
+    def _dense_two_cores(self, shards: Array, workers: Array, owners: Array, grads: Array) -> int:
+        """The fused pass from the front, owner-row compaction from the back, meeting in the middle.
+
+        Rows are still added strictly in row order (chunk after chunk), so the
+        totals keep their bits; the second core only saves the first one from
+        reading replica rows in the back part of the batch.
+        """
+        work = TwoEnds(len(shards), self._kernels)
+        helper = self._kernels.pool().submit(work.compact_from_back, shards, workers, owners, grads)
+        try:
+            for lo, hi in work.claim_from_front():
+                stop = self._dense_rows(lo, hi, shards, workers, owners, grads, None)
+                if stop < hi:  # ids left the dense range: the sorted table takes the rest as plain rows
+                    work.cancel()
+                    return stop
+            for owned_shards, owned_grads in work.compacted():
+                self._owned_rows(owned_shards, owned_grads)
+        finally:
+            helper.result()
+        return len(shards)
+
+    def _owned_rows(self, shards: Array, grads: Array) -> None:
+        """Add rows already known to be owner rows (compacted), in order."""
+        start = 0
+        while isinstance(self._table, DenseTable):
+            table = self._table
+            stop = int(self._kernels.dense_owned(shards, grads, start, table.lo, table.totals, table.seen))
+            if stop == len(shards):
+                return
+            start = stop
+            grown = table.grown(int(shards[stop]), int(shards[stop]))
+            self._table = grown if grown is not None else self._sorted(table)
+        ones = np.ones(len(shards) - start, dtype=bool)
+        assert isinstance(self._table, SortedTable)  # the only other layout
+        self._table.add(shards[start:], ones, ones, grads[start:], ones)
 
     def result(self) -> tuple[Array, Array]:
         """Return ``(shards, totals)`` over all rows fed so far, shards sorted ascending.
@@ -250,7 +301,7 @@ class OwnerSumAccumulator:
 
     def _sorted(self, dense: DenseTable | None) -> SortedTable:
         assert self._shape is not None
-        return SortedTable.from_dense(dense, self._id_kind == "fixed", self._shape, self._dtype)
+        return SortedTable.from_dense(dense, self._id_kind == "fixed", self._shape, self._dtype, self._kernels)
 
     def _table_absmax(self) -> int:
         if self._table is None or self._dtype.kind != "i":

@@ -29,7 +29,8 @@ def owner_sum(args: argparse.Namespace) -> int:
     """``gradagg owner-sum``: each shard's total over its owner's rows, sorted by shard."""
     from gradagg import engine
 
-    totals_of = engine.OwnerSumAccumulator(engine=args.engine, nonfinite=args.nonfinite)  # the contract, chosen
+    batch_engine = _file_engine(args.engine)
+    totals_of = engine.OwnerSumAccumulator(engine=batch_engine, nonfinite=args.nonfinite)  # the contract, chosen
     source = _read(args, OWNER_SUM)
     with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
@@ -53,7 +54,7 @@ def mean(args: argparse.Namespace) -> int:
         if source.fmt == "parquet":
             text.check_header(args.header, source.fmt, source.name)  # (the text readers check it themselves)
             batches = _parquet().microbatch_batches(source.parquet, progress=progress)
-            means = engine.microbatch_mean_batches(batches, engine=args.engine, nonfinite=args.nonfinite)
+            means = engine.microbatch_mean_batches(batches, engine=_file_engine(args.engine), nonfinite=args.nonfinite)
         else:
             rows, counts = text.read_microbatches(source.text, source.fmt, source.name, header=args.header)
             means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
@@ -71,12 +72,26 @@ def _read(args: argparse.Namespace, contract: str) -> detect.Input:
     return detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
 
 
+def _file_engine(name: str) -> str:
+    """The engine for a Parquet file's batches: ``--engine auto`` is numpy here, resolved by the command.
+
+    One run over one file does not pay numba's import and kernel loading (the
+    library's ``"auto"`` would pick numba for NumPy batches); ``--engine numba``
+    still asks for it. Without NumPy, ``auto`` stays ``auto`` (the engine's
+    own fallback).
+    """
+    from gradagg.engine import available_engines
+
+    return "numpy" if name == "auto" and "numpy" in available_engines() else name
+
+
 def _check_engine(name: str) -> None:
     from gradagg.engine import available_engines
 
     if name != "auto" and name not in available_engines():
+        extra = "jit" if name == "numba" else name
         raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
-                           f"pip install 'gradagg[{name}]' (or use --engine auto or python)")
+                           f"pip install 'gradagg[{extra}]' (or use --engine auto or python)")
 
 
 def _parquet() -> Any:

@@ -11,10 +11,13 @@ The contracts are those of :mod:`gradagg.reference` (read its vocabulary first):
   in memory that grows with the distinct shards (resp. parameters), not rows.
 
 Engines (``engine=``): ``"python"`` is the reference itself (slow, obviously
-right); ``"numpy"`` is :mod:`gradagg.backends.numpy`; ``"torch"`` is
-:mod:`gradagg.backends.torch` on the tensors' device; ``"auto"`` picks
-``"torch"`` for torch tensors, ``"numpy"`` for everything else (``"python"``
-without NumPy), and the reference for rows. That is the whole choice: an
+right); ``"numpy"`` is :mod:`gradagg.backends.numpy`, pure NumPy;
+``"numba"`` is :mod:`gradagg.backends.numba`, the same backend with fused
+numba kernels (same answers, bit for bit; needs ``pip install 'gradagg[jit]'``);
+``"torch"`` is :mod:`gradagg.backends.torch` on the tensors' device;
+``"auto"`` picks ``"torch"`` for torch tensors, ``"numba"`` for NumPy arrays
+and Arrow tables where numba is installed, ``"numpy"`` for everything else
+(``"python"`` without NumPy), and the reference for rows. That is the whole choice: an
 explicit argument and the input's type, made in :mod:`gradagg.engine._route`
 (the conversions too); the accumulators live in :mod:`gradagg.engine.accumulators`.
 
@@ -66,7 +69,7 @@ def owner_sum_columns(
         owner_ids: N ids of each row's shard owner (the kind of ``worker_ids``);
             a row counts only when its worker equals its owner.
         gradients: ``(N,)`` or ``(N, D)`` integers or floats, never bool.
-        engine: ``"auto"``, ``"python"``, ``"numpy"`` or ``"torch"``.
+        engine: ``"auto"``, ``"python"``, ``"numpy"``, ``"numba"`` or ``"torch"``.
         nonfinite: ``"propagate"`` or ``"raise"`` (a counted NaN/Inf is an error
             naming its row and shard; replica rows are never checked).
 
@@ -102,7 +105,7 @@ def microbatch_mean_columns(
             (null = absent).
         present: for array input, ``(M, P)`` booleans, True where present;
             ``None`` = all present. NaN is a value, never a marker of absence.
-        engine: ``"auto"``, ``"python"``, ``"numpy"`` or ``"torch"``.
+        engine: ``"auto"``, ``"python"``, ``"numpy"``, ``"numba"`` or ``"torch"``.
         nonfinite: ``"propagate"`` or ``"raise"`` (names the first present
             NaN/Inf's microbatch and parameter).
 
@@ -135,7 +138,7 @@ def owner_sum_rows(
         rows: ``(shard_id, worker_id, owner_id, gradient)`` rows, as for
             :func:`gradagg.reference.owner_sum`.
         engine: ``"auto"`` and ``"python"`` run the reference on the rows
-            themselves; ``"numpy"`` and ``"torch"`` turn them into columns
+            themselves; ``"numpy"``, ``"numba"`` and ``"torch"`` turn them into columns
             once (:mod:`gradagg.backends._rows`) and run that backend.
         nonfinite: ``"propagate"`` or ``"raise"``.
 
@@ -189,8 +192,8 @@ def microbatch_mean_rows(
             :func:`gradagg.reference.microbatch_mean`.
         active_counts: participation counters, checked as the reference
             checks them; never a divisor.
-        engine: ``"auto"`` and ``"python"`` run the reference; ``"numpy"`` and
-            ``"torch"`` turn the rows into ``(M, P)`` values and a ``present``
+        engine: ``"auto"`` and ``"python"`` run the reference; ``"numpy"``,
+            ``"numba"`` and ``"torch"`` turn the rows into ``(M, P)`` values and a ``present``
             mask once.
         nonfinite: ``"propagate"`` or ``"raise"``.
 
@@ -335,12 +338,13 @@ def available_engines() -> tuple[str, ...]:
     """The engines usable here: ``"python"`` always, then the installed backends.
 
     Returns:
-        A tuple such as ``("python", "numpy", "torch")``.
+        A tuple such as ``("python", "numpy", "numba", "torch")`` (numba needs NumPy too).
 
     >>> "python" in available_engines()
     True
     """
-    return ("python", *(name for name in ("numpy", "torch") if importable(name)))
+    needs = {"numpy": ("numpy",), "numba": ("numpy", "numba"), "torch": ("torch",)}
+    return ("python", *(name for name, frameworks in needs.items() if all(map(importable, frameworks))))
 
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 Part of :mod:`gradagg.engine`, the one place that chooses a backend and converts
 between frameworks: :func:`resolve_engine` turns ``"auto"`` into an engine by
-the input's kind (:func:`kind`, which imports no framework), :func:`backend`
+the input's kind (:func:`kind`, which imports no framework; it is the one
+chooser, ``"numba"`` included), :func:`backend`
 imports that backend (statically, behind :class:`gradagg.backends.Backend`, so
 the type checker sees the call), and a :class:`Route` holds it and converts each
 column for it (NumPy arrays, torch tensors on their device, Python lists) and
@@ -21,9 +22,13 @@ from gradagg.options import Engine, check_engine
 if TYPE_CHECKING:
     from gradagg.backends import Backend
 
-BackendName = str  # "python", "numpy" or "torch": an engine once "auto" is resolved
+BackendName = str  # "python", "numpy", "numba" or "torch": an engine once "auto" is resolved
 
-_INSTALL = {"numpy": "pip install 'gradagg[numpy]'", "torch": "pip install 'gradagg[torch]'"}
+_INSTALL = {
+    "numpy": "pip install 'gradagg[numpy]'",
+    "numba": "pip install 'gradagg[jit]'",
+    "torch": "pip install 'gradagg[torch]'",
+}
 
 
 def resolve_engine(engine: str, sample: Any) -> BackendName:
@@ -34,20 +39,29 @@ def resolve_engine(engine: str, sample: Any) -> BackendName:
         sample: the gradients column (or values), whose kind decides ``"auto"``.
 
     Returns:
-        ``"python"``, ``"numpy"`` or ``"torch"``: ``"auto"`` is torch for torch
-        tensors, else numpy where NumPy is installed, else python.
+        ``"python"``, ``"numpy"``, ``"numba"`` or ``"torch"``: ``"auto"`` is
+        torch for torch tensors; numba (the NumPy backend with fused kernels)
+        for NumPy arrays and Arrow tables where numba is installed; else numpy
+        where NumPy is installed (lists, or no numba), else python. This is the
+        only place ``"auto"`` is decided; a caller that must not pay numba's
+        import (the command line, for one file) passes ``"numpy"`` itself.
 
     Raises:
         GradaggError: an unknown engine.
 
     >>> resolve_engine("python", [1.0])
     'python'
+    >>> resolve_engine("auto", [1.0])
+    'numpy'
     """
     chosen: Engine = check_engine(engine)
     if chosen != "auto":
         return chosen
-    if kind(sample) == "torch":
+    sample_kind = kind(sample)
+    if sample_kind == "torch":
         return "torch"
+    if sample_kind in ("numpy", "arrow") and importable("numba"):
+        return "numba"
     return "numpy" if importable("numpy") else "python"
 
 
@@ -62,6 +76,10 @@ def backend(name: BackendName) -> Backend:
             from gradagg.backends import numpy as numpy_backend
 
             return numpy_backend
+        if name == "numba":
+            from gradagg.backends import numba as numba_backend
+
+            return numba_backend
         if name == "torch":
             from gradagg.backends import torch as torch_backend
 
@@ -76,6 +94,9 @@ def backend(name: BackendName) -> Backend:
     return python_backend
 
 
+_NUMPY_BACKENDS = ("numpy", "numba")  # the backends that take NumPy arrays
+
+
 class Route:
     """The backend for a call and the conversions in and out of it, decided once from the first batch."""
 
@@ -88,13 +109,13 @@ class Route:
 
     def ids_in(self, x: Any) -> Any:
         """Ids for the backend: NumPy for numpy (torch viewed without a copy on CPU); else as given."""
-        return _numpy_of(x) if self.name == "numpy" and kind(x) == "torch" else x
+        return _numpy_of(x) if self.name in _NUMPY_BACKENDS and kind(x) == "torch" else x
 
     def numbers_in(self, x: Any) -> Any:
         """Gradients, values or masks in the backend's array kind (``None`` stays ``None``)."""
         if x is None or self.name == "python":
             return x
-        if self.name == "numpy":
+        if self.name in _NUMPY_BACKENDS:
             return _numpy_of(x) if kind(x) == "torch" else x
         return x if kind(x) == "torch" else _tensor_of(x, self.device)
 
