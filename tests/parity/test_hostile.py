@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 
 from gradagg.errors import ScriptError  # noqa: E402
 from gradagg.parity import check_parity  # noqa: E402
+from tests.processes import gone  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def test_a_child_the_step_leaves_running_ends_with_the_command(hostile: Path) ->
     assert proc.returncode == 0, proc.stderr
     pids = [int(line) for line in (hostile / "step_leaves_a_child.py.pids").read_text().split()]
     assert len(pids) == 3  # one per rank: 1 + 2
-    assert all(_gone(pid) for pid in pids)
+    assert all(gone(pid) for pid in pids)
 
 
 def test_a_build_model_that_changes_the_working_directory_does_not_fail_a_right_step(hostile: Path) -> None:
@@ -166,17 +167,3 @@ def test_the_command_with_its_stdout_closed_says_so_in_one_line(hostile: Path) -
     assert proc.returncode == 2
     assert proc.stderr.startswith("gradagg: error: standard output is closed") and proc.stderr.count("\n") == 1
 
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie waiting for a parent to reap it (it runs nothing any more)."""
-    import time
-
-    for _ in range(100):  # SIGKILL is delivered asynchronously
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.02)
-    return False

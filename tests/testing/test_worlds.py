@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 
 import gradagg  # noqa: E402
 from gradagg.testing import launch_local_world, launch_process  # noqa: E402
+from tests.processes import gone
 from tests.testing import workers as w  # noqa: E402
 
 SCRIPT = '''
@@ -67,19 +68,5 @@ def test_a_lone_process_past_its_deadline_is_killed() -> None:
 
 def test_a_process_a_rank_leaves_running_ends_with_the_world() -> None:
     pids = [o.value for o in launch_local_world(w.leaves_a_child, 2, timeout_s=60.0)]
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+    assert len(pids) == 2 and all(gone(pid) for pid in pids)
 
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie waiting for a parent to reap it (it runs nothing any more)."""
-    import time
-
-    for _ in range(100):  # SIGKILL is delivered asynchronously
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.02)
-    return False

@@ -24,6 +24,7 @@ from gradagg import mutants
 from gradagg.errors import GradaggError
 from gradagg.reference import microbatch_mean, owner_sum
 from gradagg.verify import cases, fresh_cases, observations, run_checks, run_checks_isolated
+from tests.processes import gone
 
 # Looks an answer up in the checker's own, public, case list: what a forger has without computing anything.
 _LOOKUP = '''
@@ -184,22 +185,8 @@ def test_a_process_the_implementation_leaves_behind_ends_with_the_run(tmp_path: 
     report, _ = run_checks_isolated("owner-sum", "leaves_a_sleeper:f", timeout=30)
     assert report["passed"] is True
     pid = int((tmp_path / "sleeper.pid").read_text())
-    assert _gone(pid), f"process {pid} outlived the run"
+    assert gone(pid), f"process {pid} outlived the run"
 
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie waiting for a parent to reap it (it runs nothing any more)."""
-    import time
-
-    for _ in range(50):  # SIGKILL is delivered asynchronously
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
