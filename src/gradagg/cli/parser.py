@@ -71,8 +71,8 @@ def _add_input_options(p: argparse.ArgumentParser, formats: str) -> None:
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): the streaming numpy engine for Parquet, the pure-Python reference for "
                         "JSON/JSONL/CSV (there parsing the text dominates); python: the reference (reads the whole "
-                        "file into memory); numpy: pure NumPy; numba: NumPy with fused numba kernels (compiled on first "
-                        "use, so auto never picks it for one file); torch: the torch engine")
+                        "file into memory); numpy: pure NumPy; numba: NumPy with fused numba kernels (compiled on "
+                        "first use, so auto never picks it for one file); torch: the torch engine")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress line (one is drawn on stderr for long Parquet inputs, only on a terminal)")
 
