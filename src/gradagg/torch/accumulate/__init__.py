@@ -26,8 +26,9 @@ private attributes); each imports only those listed before it:
   :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
   :mod:`.ddp` and :mod:`.fsdp` (the wrappers' own synchronisation held off);
 * :mod:`.state` (the one object), :mod:`.shards` (FSDP2's every_microbatch sums), :mod:`.hooks` (gradients
-  into the buffer), :mod:`.opening` (a window opens), :mod:`.terms` (divisors counted ahead),
-  :mod:`.finish` (a window closes);
+  into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens),
+  :mod:`.terms` (divisors counted ahead), :mod:`.finish` (a window closes), :mod:`.attaching` (finishing
+  from an optimizer's step);
 * :mod:`.accumulator`: the public class, a thin shell over the state.
 
 Its slow, obviously right twin is :class:`gradagg.torch.pure.PureAccumulator`; the tests compare them.

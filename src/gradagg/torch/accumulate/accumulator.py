@@ -14,8 +14,8 @@ import torch
 
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
+from gradagg.torch.accumulate import attaching, hooks, opening, terms
 from gradagg.torch.accumulate import finish as finishing
-from gradagg.torch.accumulate import hooks, opening, terms
 from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
 from gradagg.torch.accumulate.params import ParamSource
@@ -238,23 +238,15 @@ class MicrobatchAccumulator:
         finishing.discard(self._state)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Run :meth:`finish` from ``optimizer``'s step pre-hook, for loops a framework owns.
-
-        Clip gradients after the step's pre-hooks (or not at all): before them the window is not finished.
+        """Run :meth:`finish` before ``optimizer`` steps, for loops a framework owns (see :mod:`.attaching`).
 
         Args:
             optimizer: any ``torch.optim.Optimizer``.
 
         Returns:
-            The hook's handle (``.remove()`` detaches it; :meth:`close` does too).
+            A handle (``.remove()`` detaches it; :meth:`close` does too).
         """
-
-        def finish_first(_opt: object, _args: object, _kwargs: object) -> None:
-            self.finish()
-
-        handle = optimizer.register_step_pre_hook(finish_first)
-        self._state.extra_hooks.append(handle)
-        return handle
+        return attaching.attach(self._state, optimizer, self.finish)
 
     def close(self) -> None:
         """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, shards
+from gradagg.torch.accumulate import hooks, opening, shards, stale
 from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
@@ -72,10 +72,10 @@ def _prepare(state: State) -> None:
     """Open the window of a rank that ran no microbatch; record what only now can be checked."""
     w = state.window
     if not w.open:
-        stale = opening.stale_param(state)
+        held = stale.stale_param(state)
         opening.open_window(state, empty=True)
-        if stale is not None:
-            w.fail(STALE, f"parameter {stale!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
+        if held is not None:
+            w.fail(STALE, f"parameter {held!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
     else:
         hooks.refuse_hand_set(state, "after the window's last microbatch")
         opening.check_params(state)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gradagg.errors import GradaggError, WindowError
-from gradagg.torch.accumulate import hooks
+from gradagg.errors import GradaggError
+from gradagg.torch.accumulate import hooks, stale
 from gradagg.torch.accumulate.buckets import Groups, Sender
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import CHANGED
@@ -25,12 +25,8 @@ def open_window(state: State, *, empty: bool = False) -> None:
         CollectiveError: the ranks accumulate different parameters (every rank).
         GradaggError: unnamed parameters that cannot be told apart across ranks (every rank).
     """
-    stale = stale_param(state)
-    if stale is not None and not empty:
-        raise WindowError(
-            f"parameter {stale!r} already has a gradient when the accumulation window opens; "
-            "zero the gradients with optimizer.zero_grad() (set_to_none=True) after each step"
-        )
+    if not empty:
+        stale.refuse_stale(state)
     w = state.window
     w.open = True
     check_layout(state)
@@ -60,13 +56,6 @@ def open_before_forward(state: State) -> None:
             open_window(state)
 
     state.extra_hooks.append(module.register_forward_pre_hook(open_first, prepend=True))
-
-
-def stale_param(state: State) -> str | None:
-    """The first parameter (or unsharded one) that holds a gradient, or None."""
-    tensors = [(state.names[i], t) for i, t in enumerate(state.tensors)]
-    tensors += [(state.names[i], t) for i, t in state.unsharded.items()]
-    return next((n for n, t in tensors if t.grad is not None), None)
 
 
 def check_params(state: State) -> None:
@@ -145,4 +134,4 @@ def fingerprint(t: torch.Tensor) -> str:
     return f"{h:016x}"
 
 
-__all__ = ["check_layout", "check_params", "fingerprint", "open_before_forward", "open_window", "stale_param"]
+__all__ = ["check_layout", "check_params", "fingerprint", "open_before_forward", "open_window"]
