@@ -56,6 +56,9 @@ class DdpHold:
         self._held: contextlib.AbstractContextManager[Any] | None = ddp.no_sync()
         self._held.__enter__()
 
+    def on_window_open(self) -> None:
+        """Called on every rank as a window opens, after the layout check and before any bucket leaves."""
+
     def release(self) -> None:
         """Leave ``no_sync()``: DDP synchronises its next backward again (idempotent)."""
         held, self._held = self._held, None
