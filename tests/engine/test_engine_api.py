@@ -77,9 +77,13 @@ def test_lazy_names_and_backend_symmetry() -> None:
 
 
 def test_engine_choice() -> None:
-    """auto: torch tensors -> torch, NumPy arrays and Arrow tables -> numba where installed, anything else ->
+    """auto: CPU tensors NumPy can view, NumPy arrays and Arrow tables -> numba where installed (the same
+    kernels through a zero-copy view); other tensors (another device, bfloat16) -> torch; anything else ->
     numpy; explicit names pass through (numpy stays pure NumPy); unknown names fail."""
-    assert resolve_engine("auto", torch.zeros(1)) == "torch"
+    assert resolve_engine("auto", torch.zeros(1)) == ("numba" if JIT else "numpy")
+    assert resolve_engine("auto", torch.zeros(1, dtype=torch.int32)) == ("numba" if JIT else "numpy")
+    assert resolve_engine("auto", torch.zeros(1, dtype=torch.bfloat16)) == "torch"
+    assert resolve_engine("auto", torch.zeros(1, device="meta")) == "torch"
     assert resolve_engine("auto", np.zeros(1)) == ("numba" if JIT else "numpy")
     assert resolve_engine("auto", pa.table({"x": [1.0]})) == ("numba" if JIT else "numpy")
     assert resolve_engine("auto", [1.0]) == "numpy"

@@ -40,9 +40,11 @@ def resolve_engine(engine: str, sample: Any) -> BackendName:
 
     Returns:
         ``"python"``, ``"numpy"``, ``"numba"`` or ``"torch"``: ``"auto"`` is
-        torch for torch tensors; numba (the NumPy backend with fused kernels)
-        for NumPy arrays and Arrow tables where numba is installed; else numpy
-        where NumPy is installed (lists, or no numba), else python. This is the
+        numba (the NumPy backend with fused kernels) for NumPy arrays, Arrow
+        tables and CPU tensors NumPy can view (zero-copy; results come back as
+        tensors) where numba is installed; torch for other tensors (CUDA,
+        bfloat16); else numpy where NumPy is installed (lists, or no numba),
+        else python. This is the
         only place ``"auto"`` is decided; a caller that must not pay numba's
         import (the command line, for one file) passes ``"numpy"`` itself.
 
@@ -58,11 +60,20 @@ def resolve_engine(engine: str, sample: Any) -> BackendName:
     if chosen != "auto":
         return chosen
     sample_kind = kind(sample)
-    if sample_kind == "torch":
+    if sample_kind == "torch" and not _numpy_viewable(sample):
         return "torch"
-    if sample_kind in ("numpy", "arrow") and importable("numba"):
+    if sample_kind in ("numpy", "arrow", "torch") and importable("numba"):
         return "numba"
     return "numpy" if importable("numpy") else "python"
+
+
+# torch dtypes NumPy views without a copy: a CPU tensor of one of them runs the fused NumPy kernels
+_VIEWABLE = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
+
+
+def _numpy_viewable(t: Any) -> bool:
+    """Whether a tensor is on the CPU in a dtype NumPy can view (the torch ops path is for other devices)."""
+    return t.device.type == "cpu" and str(t.dtype).removeprefix("torch.") in _VIEWABLE
 
 
 def backend(name: BackendName) -> Backend:
