@@ -34,6 +34,8 @@ from gradagg.engine import (
 from gradagg.errors import GradaggError, NonFiniteGradientError, RowShapeError
 from tests.engine.engine_inputs import FUZZ, IMPLS, bits, messy_rows, microbatch_rows, owner_rows, variant
 
+# every engine by name, and "auto" as each input kind resolves it (CPU tensors: the NumPy kernels, viewed)
+CHOICES = (*IMPLS, "auto")
 KINDS = ["numpy", "unicode", "list", "torch", "float32"]  # unicode: string ids as <U arrays (no trailing NULs)
 
 
@@ -91,7 +93,7 @@ def fed(engine: str, columns: tuple[Any, ...], cuts: list[int]) -> list[list[Any
 def test_owner_sum_rows_equal_the_reference(rows: list[list[Any]], nonfinite: str) -> None:
     """owner_sum_rows on every engine: the reference's pairs (exact int totals stay ints), or its very error."""
     want = outcome(reference.owner_sum, rows, nonfinite=nonfinite)
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             assert outcome(owner_sum_rows, rows, engine=engine, nonfinite=nonfinite) == want, impl
 
@@ -103,7 +105,7 @@ def test_owner_sum_columns_equal_the_reference(rows: list[list[Any]], kind: str,
     columns = columns_of(rows, kind)
     want = bits(reference.owner_sum(rows_of(columns)))
     cuts = sorted(min(c, len(rows)) for c in cuts)
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             assert bits(pairs(owner_sum_columns(*columns, engine=engine))) == want, impl
             assert bits(fed(engine, columns, cuts)) == want, (impl, cuts)
@@ -119,7 +121,7 @@ def test_owner_sum_nonfinite_raise_names_what_the_reference_names(rows: list[lis
         want = None
     except NonFiniteGradientError as exc:
         want = str(exc)
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             try:
                 owner_sum_columns(*columns, engine=engine, nonfinite="raise")
@@ -152,7 +154,7 @@ def allowed(rows: list[list[Any]], got: Any) -> bool:
 def test_microbatch_mean_rows_equal_the_reference(rows: list[list[Any]], counts: list[int] | None) -> None:
     """The rows API: the reference's means, or a clear refusal of ints a float64 sum would round."""
     want = outcome(reference.microbatch_mean, rows, counts)
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             got = outcome(microbatch_mean_rows, rows, counts, engine=engine)
         assert got == want or allowed(rows, got), impl
@@ -168,7 +170,7 @@ def test_microbatch_mean_columns_equal_the_reference(rows: list[list[Any]], torc
     want = bits(reference.microbatch_mean(rows))
     v, p = (torch.from_numpy(values), torch.from_numpy(present)) if torch_input else (values, present)
     cut, pcut = min(cut, len(rows)), min(pcut, values.shape[1])
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             assert bits(python_values(microbatch_mean_columns(v, p, engine=engine))) == want, impl
             if rows:
@@ -248,7 +250,7 @@ def test_malformed_rows_fail_as_the_reference_fails(rows: list[Any]) -> None:
     again on all of them; columns of the same values raise only GradaggError (a TypeError or RecursionError
     here would be a traceback on the command line)."""
     want = outcome(reference.owner_sum, rows)
-    for impl in IMPLS:
+    for impl in CHOICES:
         with variant(impl) as engine:
             got = outcome(owner_sum_rows, rows, engine=engine)
             limit = isinstance(got, tuple) and "engine='python'" in got[1]
