@@ -46,7 +46,6 @@ import torch
 from torch import nn
 
 from gradagg.errors import GradaggError
-from gradagg.torch.placements import is_dtensor
 
 Mode = Literal["shards", "window", "every_microbatch"]
 MODES: tuple[str, ...] = ("shards", "window", "every_microbatch")
@@ -161,17 +160,21 @@ class FsdpParams:
             GradaggError: a parameter is still a DTensor after unsharding.
         """
         now: dict[str, torch.Tensor] = {}
+        shards = {id(p) for p in self.params}
         for m in self.modules:
             m.unshard()
             for name, t in m.named_parameters(prefix=self._prefixes[id(m)]):
-                if not is_dtensor(t):  # its own parameters; nested FSDP modules' are still shards
+                # its own parameters, now other objects; nested FSDP modules' are still the shards. Told apart by
+                # identity, not by type: under torchtitan's full_dtensor backend (fully_shard with dp_mesh_dims)
+                # the unsharded parameters are DTensors too, Replicate() on the data-parallel mesh dimensions
+                if id(t) not in shards:
                     now.setdefault(name, t)
             if self.mode == "shards":
                 m.reshard()
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.names, self.params):
             t = now.get(name)
-            if t is None or is_dtensor(t):
+            if t is None:
                 raise GradaggError(
                     f"parameter {name!r} ({_where(p)}) is still a DTensor after every FSDP module unsharded: no "
                     "fully_shard manages it (registered after fully_shard, or made by distribute_tensor or tensor "

@@ -53,12 +53,15 @@ class Round:
     Attributes:
         running: the ranks that run a real microbatch in it.
         last: no rank has a microbatch after it (known with ``microbatches()``'s look-ahead only).
+        known: every rank knew whether it has one after (no bare ``microbatch()`` call in the round): only then
+            may HSDP defer its all-reduce over the replicas to the last round.
         source: the rank whose forward inputs are sent to a rank that has none to replay, or -1.
         shared: whether this rank took part in that exchange yet.
     """
 
     running: list[int]
     last: bool
+    known: bool
     source: int
     world: int
     shared: bool = False
@@ -82,9 +85,9 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
     world, rank = get_world_size(state.group), get_rank(state.group)
     needs = not now and state.pad == "replay" and state.kept is None
     refuses = not now and state.pad is None
-    vec = torch.zeros(4 * world, dtype=torch.float64)
-    vec[rank::world] = torch.tensor([now, after is not False, needs, refuses], dtype=torch.float64)
-    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(4, world).tolist()
+    vec = torch.zeros(5 * world, dtype=torch.float64)  # 5 rows of one slot per rank; a sum fills them all
+    vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None], dtype=torch.float64)
+    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(5, world).tolist()
     running = [r for r in range(world) if got[0][r]]
     padding = 0 < len(running) < world
     refused = [r for r in range(world) if got[3][r]] if padding else []
@@ -99,7 +102,7 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
             "fsdp='window'; the window was dropped on every rank"
         )
     source = min(running) if padding and any(got[2]) else -1
-    return Round(running, not any(got[1]), source, world)
+    return Round(running, not any(got[1]), not any(got[4]), source, world)
 
 
 def share_inputs(state: State, rnd: Round) -> None:
@@ -121,7 +124,7 @@ def pad_once(state: State, rnd: Round) -> None:
     """Run one padding microbatch: its FSDP collectives pair with the others'; its gradients are dropped."""
     share_inputs(state, rnd)
     if state.fsdp is not None:
-        state.fsdp.set_all_reduce(rnd.last)
+        state.fsdp.set_all_reduce(rnd.last or not rnd.known)
     state.padding = True
     try:
         with torch.enable_grad():
@@ -206,7 +209,7 @@ def all_reduce_now(state: State, last: bool, lookahead: bool | None) -> bool:
     """HSDP: whether this microbatch's backward all-reduces over the replicas (deferred to the last round)."""
     rnd = state.window.agreed
     if rnd is not None:
-        return rnd.last
+        return rnd.last or not rnd.known
     return last or lookahead is None
 
 
