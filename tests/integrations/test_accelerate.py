@@ -2,8 +2,8 @@
 
 One world runs every case (Accelerate and transformers import slowly): the tiny Llama, an Accelerate-prepared
 DataLoader of 10 microbatches of 2 right-padded sequences (5 per rank: a window of 3, then the short last window
-of 2), token counts that differ per rank and step, Accelerate's defaults (``cpu=True``: on a CPU machine without
-it each rank would train alone; its DDP broadcasting buffers).
+of 2), two epochs, token counts that differ per rank and step, Accelerate's defaults (``cpu=True``: on a CPU
+machine without it each rank would train alone; its DDP broadcasting buffers).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def test_accelerate_runs_ddp_on_both_ranks(world: dict[str, Any]) -> None:
     for loop, clip in CASES:
         case = world[f"{loop}/{clip}"]
         assert case["model"] == "DistributedDataParallel" and case["distributed_type"].endswith("MULTI_CPU")
-        assert case["sequences"] == [12, 8]  # windows of 3 and 2 microbatches of 2 sequences, on 2 ranks
+        assert case["sequences"] == [12, 8, 12, 8]  # 2 epochs: windows of 3 and 2 microbatches of 2 sequences, 2 ranks
 
 
 @pytest.mark.parametrize("loop", ["exact", "plain"])
 def test_every_step_is_the_full_batch_token_mean(world: dict[str, Any], loop: str) -> None:
     """accelerator.backward(loss_sum) and loss_sum.backward() inside acc.microbatch(weight=tokens): exact."""
     errors = world[f"{loop}/None"]["errors"]
-    assert len(errors) == 2 and max(errors) < TOLERANCE, errors
+    assert len(errors) == 4 and max(errors) < TOLERANCE, errors
 
 
 def test_clip_grad_norm_clips_the_exact_gradient(world: dict[str, Any]) -> None:
@@ -78,3 +78,24 @@ def test_imports_stay_light() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+def test_a_launcher_world_run_as_one_process_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WORLD_SIZE 2 in the environment, an Accelerator of one process (what Accelerate builds under torchrun on
+    a CPU machine without cpu=True): refused, naming cpu=True, before anything is built."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gradagg.errors import GradaggError
+    from gradagg.integrations.accelerate import exact
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    alone = SimpleNamespace(distributed_type="DistributedType.NO", num_processes=1)
+    model = torch.nn.Linear(2, 1)
+    optimizer = SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(GradaggError, match=r"WORLD_SIZE is 2 .*Accelerator\(cpu=True\)"):
+        exact(alone, model, optimizer)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(GradaggError, match="not the AcceleratedOptimizer"):
+        exact(alone, model, optimizer.optimizer)

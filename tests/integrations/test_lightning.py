@@ -48,7 +48,7 @@ def test_the_strategies_are_what_they_say(world: dict[str, Any]) -> None:
         got = world[_key(*case)]
         want = ("DistributedDataParallel", False) if case[0] == "ddp" else ("TinyLlama", True)
         assert (got["model"], got["sharded"]) == want
-        assert got["sequences"] == [12, 8]  # windows of 3 and 2 microbatches of 2 sequences, on 2 ranks
+        assert got["sequences"] == [12, 8, 12, 8]  # 2 epochs of windows of 3 and 2 microbatches of 2 sequences, 2 ranks
 
 
 @pytest.mark.parametrize("case", EXACT, ids=_id)
@@ -57,7 +57,7 @@ def test_every_step_is_the_full_batch_token_mean(world: dict[str, Any], case: tu
     got = world[_key(*case)]
     if case[2] is not None:
         assert min(got["true_norms"]) < case[2] < max(got["true_norms"])
-    assert len(got["errors"]) == 2 and max(got["errors"]) < TOLERANCE, got["errors"]
+    assert len(got["errors"]) == 4 and max(got["errors"]) < TOLERANCE, got["errors"]
 
 
 @pytest.mark.parametrize("case", NATIVE, ids=_id)
@@ -70,3 +70,17 @@ def test_lightnings_own_accumulation_is_wrong(world: dict[str, Any], case: tuple
 
 def test_a_step_without_weight_is_refused(world: dict[str, Any]) -> None:
     assert world[_key("ddp", "noweight", None)]["error"].startswith("GradaggError: ExactAccumulation: batch 0 has no")
+
+
+def test_manual_optimisation_and_several_optimizers_are_refused() -> None:
+    """The callback needs Lightning's automatic loop and its one optimizer; anything else is named at fit start."""
+    from types import SimpleNamespace
+
+    from gradagg.errors import GradaggError
+    from gradagg.integrations.lightning import _check_fit
+
+    automatic, manual = SimpleNamespace(automatic_optimization=True), SimpleNamespace(automatic_optimization=False)
+    with pytest.raises(GradaggError, match="needs automatic optimisation"):
+        _check_fit(SimpleNamespace(optimizers=[object()]), manual)  # type: ignore[arg-type]
+    with pytest.raises(GradaggError, match="one optimizer; configure_optimizers gave 2"):
+        _check_fit(SimpleNamespace(optimizers=[object(), object()]), automatic)  # type: ignore[arg-type]

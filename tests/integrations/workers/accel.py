@@ -1,6 +1,6 @@
 """Accelerate on every rank of a 2-rank gloo world: gradagg's loop and Accelerate's own recipe, step by step.
 
-Every case runs one epoch of the 10 microbatches (5 per rank: a window of 3, then the short last one of 2) from
+Every case runs two epochs of the 10 microbatches (5 per rank: a window of 3, then the short last one of 2) from
 an Accelerate-prepared DataLoader, with Accelerate's defaults otherwise (its DDP broadcasts buffers), and records
 each optimizer step's gradient next to the sequences the step consumed on all ranks (see ``steps``).
 """
@@ -43,7 +43,7 @@ def _case(loop: str, clip: float | None) -> dict[str, Any]:
     accelerator, model, optimizer, loader = _prepared()
     acc = None if loop == "native" else exact(accelerator, model, optimizer)
     inner, rec, fresh = accelerator.unwrap_model(model), st.Recorder(), True
-    for batch in loader:
+    for batch in (b for _ in range(st.EPOCHS) for b in loader):
         rec.saw(batch.pop("idx"))
         with accelerator.accumulate(model):
             if fresh:

@@ -2,8 +2,8 @@
 
 Lightning is driven inside the world the harness already initialised: ``steps.launcher_env`` sets what
 ``torchrun`` would (TORCHELASTIC_RUN_ID among them), so Lightning's TorchElasticEnvironment takes the processes
-as launched externally and its strategy finds the process group initialised and reuses it. Each case fits one
-epoch of 10 microbatches (5 per rank from Lightning's DistributedSampler: a window of 3, then the short last
+as launched externally and its strategy finds the process group initialised and reuses it. Each case fits two
+epochs of 10 microbatches (5 per rank from Lightning's DistributedSampler: a window of 3, then the short last
 window of 2) and records each optimizer step's gradient, after Lightning's clipping, next to the sequences the
 step consumed on all ranks.
 """
@@ -84,7 +84,7 @@ def _case(strategy: str, loop: str, clip: float | None) -> dict[str, Any]:
     rec = st.Recorder()
     callbacks = {"native": [], "dict": [ExactAccumulation()], "noweight": [ExactAccumulation()],
                  "fn": [ExactAccumulation(weight=lambda b, _i: tl.tokens(b))]}[loop]
-    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy(strategy), max_epochs=1,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy(strategy), max_epochs=st.EPOCHS,
                          accumulate_grad_batches=st.STEPS, gradient_clip_val=clip, callbacks=callbacks,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)

@@ -21,6 +21,7 @@ from tests.integrations import tiny_llama as tl
 SEQUENCES = 20  # 10 microbatches of 2: 5 per rank, windows of 3 and then a short last one of 2
 PER_MICROBATCH = 2
 STEPS = 3  # gradient_accumulation_steps / accumulate_grad_batches
+EPOCHS = 2  # the second epoch's first window must start afresh after the first epoch's short one
 
 
 def launcher_env() -> None:
