@@ -1,0 +1,158 @@
+"""Exact accumulation in a Hugging Face Accelerate loop: ``acc = exact(accelerator, model, optimizer)``.
+
+Accelerate's own recipe (``with accelerator.accumulate(model): accelerator.backward(model(**b).loss)``) averages
+the microbatch means and divides every backward by ``gradient_accumulation_steps``, the short last window of an
+epoch included. With the accumulator returned here the loop back-propagates each microbatch's *summed* loss::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    acc = exact(accelerator, model, optimizer)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            with acc.microbatch(weight=n_tokens(batch)):
+                accelerator.backward(loss_sum(model, batch))   # or loss_sum(...).backward()
+            if accelerator.sync_gradients:                      # the window is finished here: exact gradient
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); optimizer.zero_grad()
+
+What it changes, and why:
+
+* **the division**: inside ``acc.microbatch()`` Accelerate's ``gradient_accumulation_steps`` reads 1 (its public
+  setter, restored on exit), so ``accelerator.backward`` divides by nothing and a plain ``.backward()`` is exact
+  too; the accumulator divides once, by the weights counted on all ranks.
+* **the window**: it closes (``finish()``, one collective per bucket) at the end of the microbatch during which
+  ``accelerator.sync_gradients`` is set, the step Accelerate's own counter or the end of its prepared dataloader
+  chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The inner optimizer's
+  step finishes a window still open first (a loop that steps without Accelerate's sync).
+* one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
+  the microbatch would count with the divisor set to 1, and is refused.
+
+Accelerate is imported by the caller; this module imports it only for type names, lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch import MicrobatchAccumulator
+
+
+class AcceleratedAccumulator(MicrobatchAccumulator):
+    """A :class:`~gradagg.torch.MicrobatchAccumulator` whose windows follow ``accelerator.sync_gradients``.
+
+    Made by :func:`exact`; see the module's docstring for the loop.
+    """
+
+    def __init__(self, accelerator: Any, model: torch.nn.Module, **options: Any) -> None:
+        self._buffers = _take_buffer_sync(model)
+        super().__init__(model, **options)
+        self._accelerator = accelerator
+
+    @contextlib.contextmanager
+    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[None]:
+        """One microbatch, as :meth:`MicrobatchAccumulator.microbatch`; the window closes after it when
+        ``accelerator.sync_gradients`` is set.
+
+        Raises:
+            WindowError: ``accelerator.accumulate()`` was entered inside this microbatch.
+        """
+        acc = self._accelerator
+        step = acc.step
+        if self._buffers and not self.state.window.open:
+            _broadcast_buffers(self._buffers)
+        with _undivided(acc), super().microbatch(weight, last=last or bool(acc.sync_gradients)):
+            yield
+        if acc.step != step:
+            raise WindowError(
+                "accelerator.accumulate() was entered inside acc.microbatch(): enter acc.microbatch() inside "
+                "`with accelerator.accumulate(model):`, once per block"
+            )
+        if acc.sync_gradients:
+            self.finish()
+
+
+def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Accelerate's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
+    refuses. Temporary, until the accumulator keeps that broadcast itself: DDP's is turned off and this module
+    broadcasts them once per window instead, from rank 0, as the window's first microbatch opens (every rank
+    runs the same number of microbatches under Accelerate's step counter, so the broadcasts match)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not isinstance(model, ddp) or not getattr(model, "forward_sync_buffers", False):
+        return []
+    model.forward_sync_buffers = False
+    return list(model.module.buffers())
+
+
+def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
+    for b in buffers:
+        torch.distributed.broadcast(b, src=0)
+
+
+@contextlib.contextmanager
+def _undivided(accelerator: Any) -> Iterator[None]:
+    """``accelerator.backward`` divides by ``gradient_accumulation_steps``: 1 for the duration, restored after."""
+    steps = accelerator.gradient_accumulation_steps
+    accelerator.gradient_accumulation_steps = 1
+    try:
+        yield
+    finally:
+        accelerator.gradient_accumulation_steps = steps
+
+
+def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: Any) -> AcceleratedAccumulator:
+    """The accumulator for a loop that ``accelerator`` prepared: its windows, its divisor, its optimizer's step.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+        model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
+            processes, FSDP2-sharded under its FSDP2 plugin).
+        optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned.
+        **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
+
+    Returns:
+        An :class:`AcceleratedAccumulator`; run each microbatch in its ``microbatch(weight=...)``.
+
+    Raises:
+        GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; DeepSpeed or Megatron-LM,
+            which run their own backward and accumulation; several processes in the environment but no
+            process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``).
+    """
+    _check_accelerator(accelerator)
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise GradaggError(
+            f"exact(accelerator, model, optimizer): optimizer is a {type(optimizer).__name__}, not the "
+            "AcceleratedOptimizer that accelerator.prepare returned"
+        )
+    acc = AcceleratedAccumulator(accelerator, model, **options)
+    inner.register_step_pre_hook(_finish_open_window(acc))
+    return acc
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    kind = str(getattr(accelerator, "distributed_type", ""))
+    if "DEEPSPEED" in kind or "MEGATRON" in kind:
+        raise GradaggError(f"exact(accelerator, ...): {kind} runs its own backward and accumulation; not supported")
+    processes = int(getattr(accelerator, "num_processes", 1))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and processes == 1:
+        raise GradaggError(
+            f"exact(accelerator, ...): WORLD_SIZE is {world} but the Accelerator runs one process (no process "
+            "group): each rank would train alone. On a CPU machine construct it with Accelerator(cpu=True)"
+        )
+
+
+def _finish_open_window(acc: MicrobatchAccumulator) -> Any:
+    def finish_first(_opt: object, _args: object, _kwargs: object) -> None:
+        if acc.state.window.open:
+            acc.finish()
+
+    return finish_first
+
+
+__all__ = ["AcceleratedAccumulator", "exact"]

@@ -1,0 +1,173 @@
+"""Exact accumulation under Lightning's automatic optimisation: ``Trainer(callbacks=[ExactAccumulation()])``.
+
+Lightning's own accumulation divides every microbatch's loss by ``accumulate_grad_batches`` (the short last
+window of an epoch included) and, with a mean loss, averages microbatch means. With this callback the
+``training_step`` returns the microbatch's *summed* loss and what it counts for::
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": loss_sum(self(batch), batch), "weight": n_tokens(batch)}
+
+    trainer = Trainer(callbacks=[ExactAccumulation()], accumulate_grad_batches=3, gradient_clip_val=1.0)
+
+(or ``ExactAccumulation(weight=fn)``, ``fn(batch, batch_idx)`` giving the count, and any ``training_step``
+returning the summed loss). Every optimizer step's gradient is then the sum over all microbatches of all ranks
+divided by their total weight, clipped by Lightning on that gradient. How, through Lightning's public hooks:
+
+* ``on_before_backward`` opens the accumulator's microbatch and undoes Lightning's division at the root of the
+  backward (a hook on the loss multiplies its gradient by ``accumulate_grad_batches``: ``k / k`` is exactly 1);
+  ``on_after_backward`` closes it.
+* ``on_before_optimizer_step`` (after the closure that runs the window's last backward, before Lightning
+  clips) calls ``finish()``: one collective per gradient bucket, the weights counted on all ranks.
+* the weight comes from the dict ``training_step`` returns (read by a thin wrapper around it, installed
+  for the fit and removed after), or from ``weight=fn``.
+
+Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``) and
+``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2). Lightning is imported
+only when this module is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from gradagg.errors import GradaggError
+from gradagg.torch import MicrobatchAccumulator
+
+WeightFn = Callable[[Any, int], object]
+
+
+class ExactAccumulation(Callback):
+    """Make each optimizer step's gradient the global weighted mean over the step's microbatches.
+
+    Args:
+        weight: ``fn(batch, batch_idx)`` giving a microbatch's count (e.g. its valid tokens); None (default):
+            ``training_step`` returns ``{"loss": summed_loss, "weight": count}``.
+        **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
+
+    Raises:
+        GradaggError: at fit start, manual optimisation or more than one optimizer; during the fit, a
+            ``training_step`` output without a ``"weight"`` (and no ``weight=fn``).
+    """
+
+    def __init__(self, weight: WeightFn | None = None, **options: Any) -> None:
+        self._weight_fn = weight
+        self._options = options
+        self._acc: MicrobatchAccumulator | None = None
+        self._weight: object = None
+        self._open: contextlib.AbstractContextManager[None] | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._batch_idx = -1
+
+    @property
+    def accumulator(self) -> MicrobatchAccumulator:
+        """The fit's accumulator (its ``ledger`` is the last window's), once the fit started."""
+        if self._acc is None:
+            raise GradaggError("ExactAccumulation.accumulator: the fit has not started")
+        return self._acc
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _check_fit(trainer, pl_module)
+        model = trainer.strategy.model
+        if model is None:
+            raise GradaggError(f"ExactAccumulation: {type(trainer.strategy).__name__} has no model at fit start")
+        self._buffers = _take_buffer_sync(model)
+        self._acc = MicrobatchAccumulator(model, **self._options)
+        if self._weight_fn is None:
+            _wrap_training_step(pl_module, self._take_output)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._buffers and not self.accumulator.state.window.open:
+            _broadcast_buffers(self._buffers)  # once per window, before its first forward (as DDP would)
+        self._batch_idx = batch_idx
+        self._weight = None if self._weight_fn is None else self._weight_fn(batch, batch_idx)
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        acc = self.accumulator
+        k = trainer.accumulate_grad_batches
+        if k != 1:  # Lightning back-propagates loss / k: its gradient k / k = 1 gives the summed loss's
+            loss.register_hook(lambda g: g * k)  # type: ignore[no-untyped-call]
+        weight, self._weight = self._weight, None
+        if weight is None:
+            raise GradaggError(
+                f"ExactAccumulation: batch {self._batch_idx} has no weight: return "
+                '{"loss": summed_loss, "weight": n} from training_step, or pass ExactAccumulation(weight=fn)'
+            )
+        self._open = acc.microbatch(weight=weight)
+        self._open.__enter__()
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self.accumulator.finish()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        opened, self._open = self._open, None
+        if opened is not None:  # a backward raised: the accumulator records the failed microbatch
+            with contextlib.suppress(BaseException):
+                opened.__exit__(type(exception), exception, exception.__traceback__)
+        self._end(pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end(pl_module)
+
+    def _take_output(self, output: Any) -> None:
+        if isinstance(output, dict) and "weight" in output:
+            self._weight = output["weight"]
+
+    def _end(self, pl_module: LightningModule) -> None:
+        pl_module.__dict__.pop("training_step", None)
+        if self._acc is not None:
+            self._acc.close()
+
+
+def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
+    if not pl_module.automatic_optimization:
+        raise GradaggError(
+            "ExactAccumulation needs automatic optimisation; under manual optimisation run the microbatches in "
+            "gradagg.torch.MicrobatchAccumulator.microbatch() and call finish() before optimizer.step()"
+        )
+    if len(trainer.optimizers) != 1:
+        raise GradaggError(f"ExactAccumulation supports one optimizer; configure_optimizers gave "
+                           f"{len(trainer.optimizers)}")
+
+
+def _wrap_training_step(pl_module: LightningModule, take: Callable[[Any], None]) -> None:
+    """An instance attribute over the class's ``training_step`` (removed by ``_end``): Lightning looks the
+    method up on the instance at each call, under DDP's forward redirection too."""
+    original = pl_module.training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        take(out)
+        return out
+
+    pl_module.__dict__["training_step"] = training_step
+
+
+def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Lightning's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
+    refuses. Temporary, until the accumulator keeps that broadcast itself: DDP's is turned off and this callback
+    broadcasts them once per window instead, from rank 0, before the window's first forward (every rank runs
+    the same number of batches under Lightning's distributed sampler, so the broadcasts match)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not isinstance(model, ddp) or not getattr(model, "forward_sync_buffers", False):
+        return []
+    model.forward_sync_buffers = False
+    return list(model.module.buffers())
+
+
+def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
+    for b in buffers:
+        torch.distributed.broadcast(b, src=0)
+
+
+__all__ = ["ExactAccumulation"]

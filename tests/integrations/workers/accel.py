@@ -1,0 +1,83 @@
+"""Accelerate on every rank of a 2-rank gloo world: gradagg's loop and Accelerate's own recipe, step by step.
+
+Every case runs two epochs of the 10 microbatches (5 per rank: a window of 3, then the short last one of 2) from
+an Accelerate-prepared DataLoader, with Accelerate's defaults otherwise (its DDP broadcasts buffers), and records
+each optimizer step's gradient next to the sequences the step consumed on all ranks (see ``steps``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.integrations import tiny_llama as tl
+from tests.integrations.workers import steps as st
+
+
+def accelerate_world(cases: list[tuple[str, float | None]]) -> dict[str, Any]:
+    """Run each ``(loop, clip)`` case; loop is "exact" (accelerator.backward), "plain" (.backward()) or
+    "native" (Accelerate's documented accumulate() recipe with the model's mean loss)."""
+    st.launcher_env()
+    out: dict[str, Any] = {}
+    for loop, clip in cases:
+        out[f"{loop}/{clip}"] = _case(loop, clip)
+    out["refused_nested"] = _nested_accumulate_refused()
+    return out
+
+
+def _prepared() -> tuple[Any, Any, Any, Any]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=st.STEPS)
+    model = tl.model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(st.Indexed(), batch_size=st.PER_MICROBATCH, collate_fn=st.collate)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return accelerator, model, optimizer, loader
+
+
+def _case(loop: str, clip: float | None) -> dict[str, Any]:
+    from gradagg.integrations.accelerate import exact
+
+    accelerator, model, optimizer, loader = _prepared()
+    acc = None if loop == "native" else exact(accelerator, model, optimizer)
+    inner, rec, fresh = accelerator.unwrap_model(model), st.Recorder(), True
+    for batch in (b for _ in range(st.EPOCHS) for b in loader):
+        rec.saw(batch.pop("idx"))
+        with accelerator.accumulate(model):
+            if fresh:
+                rec.begin(inner)
+            fresh = False
+            if acc is None:
+                accelerator.backward(model(**batch).loss)
+            else:
+                with acc.microbatch(weight=tl.tokens(batch)):
+                    loss = tl.token_sum_loss(model, batch)
+                    loss.backward() if loop == "plain" else accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                if clip is not None:
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                rec.stepped(inner)
+                fresh = True
+            optimizer.step()
+            optimizer.zero_grad()
+    result = st.step_errors(rec, clip)
+    result["model"] = type(model).__name__
+    result["distributed_type"] = str(accelerator.distributed_type)
+    return result
+
+
+def _nested_accumulate_refused() -> str:
+    from gradagg.integrations.accelerate import exact
+
+    accelerator, model, optimizer, loader = _prepared()
+    acc = exact(accelerator, model, optimizer)
+    batch = next(iter(loader))
+    batch.pop("idx")
+    try:
+        with acc.microbatch(weight=tl.tokens(batch)), accelerator.accumulate(model):
+            accelerator.backward(tl.token_sum_loss(model, batch))
+    except Exception as exc:  # the WindowError under test
+        return f"{type(exc).__name__}: {exc}"
+    return "not refused"
