@@ -1,0 +1,1 @@
+"""Worker modules for the integration tests, importable by the ranks of a local world."""
