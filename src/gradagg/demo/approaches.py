@@ -159,7 +159,9 @@ class GradaggRun(ABC):
 
     def __init__(self, module: MoE | TokenLM, cfg: Config, lr: float, extra: list[torch.Tensor] | None = None):
         self.model = wrap(module, cfg.wrap, module.shard_units())
-        self.acc = MicrobatchAccumulator(self.model)
+        # the window form: the MoE's experts run only where a token chose them, so FSDP2's per-expert collectives
+        # differ between ranks (the shards form needs every rank to reach the same FSDP modules)
+        self.acc = MicrobatchAccumulator(self.model, fsdp="window")
         self.params, self.lr = [*self.model.parameters(), *(extra or [])], lr
         self.ledger = ""  # the first window's ledger, as text
 

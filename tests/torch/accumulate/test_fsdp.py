@@ -153,7 +153,7 @@ def test_parameters_outside_fsdp_and_cpu_offload(outside: list[dict[tuple[str, s
             assert _error(rank[key]["grads"], fw.truth64(_n(key[2]))) <= TOL32, key
 
 
-@pytest.mark.parametrize("mode", ["window", "every_microbatch"])
+@pytest.mark.parametrize("mode", ["shards", "window", "every_microbatch"])
 def test_dtensor_outside_fully_shard_refused_on_every_rank(
     outside: list[dict[tuple[str, str, str], Any]], mode: str
 ) -> None:
@@ -206,13 +206,13 @@ def test_other_layouts_refused_at_construction(refused: list[dict[str, Any]], la
 # --- memory: what the every_microbatch form holds ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["window", "every_microbatch"])
+@pytest.mark.parametrize("mode", ["shards", "window", "every_microbatch"])
 def test_only_the_window_form_holds_the_whole_model_unsharded(mode: str) -> None:
-    """every_microbatch is the memory-saving form: opening a window unshards one FSDP module at a time (to hook
-    its unsharded parameters) and reshards it before the next, so the forward starts from shards; the window
-    form keeps every module unsharded over the window by design."""
+    """shards (the default; every_microbatch its former name) is the memory-saving form: opening a window unshards one
+    FSDP module at a time (to hook its unsharded parameters) and reshards it before the next, so the forward starts
+    from shards; the window form keeps every module unsharded over the window by design."""
     for rank in run_local_world(fw.unshard_peak_world, 2, mode, **WORLD):
-        if mode == "every_microbatch":
+        if mode != "window":
             assert rank["peak"] == 1 and rank["sharded at forward"], rank
         else:
             assert rank["peak"] == rank["modules"] and not rank["sharded at forward"], rank

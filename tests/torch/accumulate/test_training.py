@@ -146,6 +146,14 @@ def test_fsdp2_every_microbatch_with_zero_weight_padding(fsdp: list[dict[str, An
         assert em["error"] <= TOL and em["ledger"].divisor == 27 and em["ledger"].microbatches_global == 10
 
 
+def test_fsdp2_default_form_pads_uneven_counts_itself(fsdp: list[dict[str, Any]]) -> None:
+    """The default (shards) form, counts 3/5 and 0/4, look-ahead or bare microbatch() calls, no padding by hand:
+    D = 27 (13), the full-batch token mean, on both ranks."""
+    for r in fsdp:
+        for key, (error, divisor) in r["shards"].items():
+            assert error <= TOL and divisor == (27 if key.startswith("[3, 5]") else 13), key
+
+
 def test_hsdp_uneven_counts() -> None:
     """HSDP, mesh (replicate 2, shard 2), counts 1, 0, 3, 2: D summed over both mesh dimensions (6+2+5+0+3+6
     = 22); one reduce_scatter over the shard group, then one all_reduce over the replicas at the window's end."""
@@ -154,6 +162,7 @@ def test_hsdp_uneven_counts() -> None:
         assert r["collectives"] == {"all_gather_object": 1, "reduce_scatter(sum)": 1, "all_reduce(sum)": 1}
         assert r["placements"] == "(Replicate(), Shard(dim=0))"
         assert r["every_microbatch_error"] <= TOL  # padded to 3 each, the replica all-reduce in the last backward
+        assert r["shards_error"] <= TOL  # the default form, padded by gradagg
 
 
 def test_rank_dying_inside_an_fsdp2_window() -> None:

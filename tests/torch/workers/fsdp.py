@@ -36,7 +36,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     },
     "fp16, reduce fp32": {"param_dtype": torch.float16, "reduce_dtype": torch.float32},
 }
-RUNS = [("window", [0, 4]), ("window", [1, 5]), ("every_microbatch", [1, 5])]  # mode, microbatches per rank
+# mode, microbatches per rank: "shards" (the default) pads by itself; "every_microbatch" (its former name) by hand
+RUNS = [("shards", [0, 4]), ("shards", [1, 5]), ("window", [0, 4]), ("window", [1, 5]), ("every_microbatch", [1, 5])]
 
 
 class Blocks(nn.Module):
@@ -150,7 +151,7 @@ def mixed_precision_world() -> dict[tuple[str, str, str], Any]:
         for mode, counts in RUNS:
             model = shard(Blocks(), _mesh(), policy(name))
             out[(name, mode, str(counts))] = _safely(accumulate, model, counts, mode, spec.get("inputs", torch.float32))
-    for mode, counts in RUNS[:2]:  # each block casts its input to bf16 and its output to fp32; the head is plain
+    for mode, counts in RUNS[:4]:  # each block casts its input to bf16 and its output to fp32; the head is plain
         model = shard(Blocks(), _mesh(), policy("bf16, output fp32"), "blocks only")
         out[("bf16, output fp32, blocks only", mode, str(counts))] = _safely(accumulate, model, counts, mode)
     return out
@@ -186,7 +187,14 @@ EXACT_CASES: dict[str, tuple[dict[str, Any], torch.dtype]] = {  # name -> (polic
     "bf16 parameters": ({}, torch.bfloat16),
     "fp16 parameters": ({}, torch.float16),
 }
-EXACT_RUNS = [("window", (2,)), ("every_microbatch", (2,)), ("window", (2, 1)), ("every_microbatch", (2, 1))]
+EXACT_RUNS = [
+    ("shards", (2,)),
+    ("window", (2,)),
+    ("every_microbatch", (2,)),
+    ("shards", (2, 1)),
+    ("window", (2, 1)),
+    ("every_microbatch", (2, 1)),
+]
 ONES = 16  # microbatches of gradient 1 after the first, of gradient BIG
 
 
@@ -198,11 +206,12 @@ def big(dtype: torch.dtype) -> float:
 def exact_world() -> dict[tuple[str, str, str], Any]:
     """y = W x, loss sum(y), W (4, 2) sharded by rows: each microbatch's gradient is its x in every row.
 
-    Rank 1 runs 1 + ONES microbatches with x = BIG, then 1, 1, ... (weight 1 each); rank 0 runs none (window) or
-    as many weight-0 ones (every_microbatch, FSDP reducing each). Every value is exact in the compute dtype, and
-    so is the sum BIG + ONES; the mean is (BIG + ONES) / (1 + ONES). Summing in the compute dtype would lose every
-    1 (BIG + 1 rounds to BIG) and give BIG / (1 + ONES). On mesh (2, 1) (HSDP, one shard per replica) the
-    every_microbatch form defers the replicas' all-reduce to the last microbatch (look-ahead).
+    Rank 1 runs 1 + ONES microbatches with x = BIG, then 1, 1, ... (weight 1 each); rank 0 runs none (window;
+    shards, padding by itself) or as many weight-0 ones (every_microbatch, FSDP reducing each). Every value is exact
+    in the compute dtype, and so is the sum BIG + ONES; the mean is (BIG + ONES) / (1 + ONES). Summing in the
+    compute dtype would lose every 1 (BIG + 1 rounds to BIG) and give BIG / (1 + ONES). On mesh (2, 1) (HSDP, one
+    shard per replica) the every_microbatch form defers the replicas' all-reduce to the last microbatch (look-
+    ahead).
     """
     out = {}
     for name, (mp, dtype) in EXACT_CASES.items():
@@ -265,7 +274,7 @@ def outside_fsdp_world() -> dict[tuple[str, str, str], Any]:
             fully_shard(block, mesh=_mesh(), offload_policy=CPUOffloadPolicy(pin_memory=False))
         fully_shard(model, mesh=_mesh(), offload_policy=CPUOffloadPolicy(pin_memory=False))
         out[("cpu offload", mode, str(counts))] = _safely(accumulate, model, counts, mode)
-    for mode in ("window", "every_microbatch"):
+    for mode in ("shards", "window", "every_microbatch"):
         out[("unmanaged DTensor", mode, "[0, 2]")] = _safely(_unmanaged_dtensor, mode)
         out[("plain replaced", mode, "[1, 1]")] = _safely(_plain_replaced, mode)
     return out

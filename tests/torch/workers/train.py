@@ -269,8 +269,8 @@ def fsdp_world() -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,))
     data = token_batches(10)
     for label, counts in [("uneven", [3, 5]), ("zero", [0, 4])]:
-        model = sharded_moe(mesh)
-        acc = MicrobatchAccumulator(model, bucket_mb=1e-4 if label == "zero" else 25.0)  # zero: several buckets
+        model = sharded_moe(mesh)  # experts routed by data: FSDP's per-expert collectives need the window form
+        acc = MicrobatchAccumulator(model, fsdp="window", bucket_mb=1e-4 if label == "zero" else 25.0)  # zero: buckets
         runs = []
         for window in range(2):  # the second window reuses the unsharded parameters' hooks
             with count_collectives() as c:
@@ -288,6 +288,19 @@ def fsdp_world() -> dict[str, Any]:
             model.zero_grad()
         out[label] = runs
     out["every_microbatch"] = _every_microbatch(mesh, rank, data)
+    out["shards"] = _shards(mesh, rank, data)
+    return out
+
+
+def _shards(mesh: Any, rank: int, data: list[TokenBatch]) -> dict[str, Any]:
+    """The default form, counts 3/5 and 0/4 with no padding by hand (gradagg pads), look-ahead and bare calls."""
+    model = sharded_moe(mesh, experts=False)
+    acc = MicrobatchAccumulator(model)
+    out = {}
+    for counts, look in [([3, 5], True), ([0, 4], False), ([0, 4], True), ([3, 5], False)]:
+        ledger = run_weighted(model, acc, share(data, counts, rank), lookahead=look)
+        out[f"{counts} {look}"] = (w.max_error(_grads(model), token_truth(data[: sum(counts)])), ledger.divisor)
+        model.zero_grad()
     return out
 
 
@@ -312,8 +325,8 @@ def hsdp_world() -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     data = token_batches(10)
     counts = [1, 0, 3, 2]
-    model = sharded_moe(mesh)
-    acc = MicrobatchAccumulator(model)
+    model = sharded_moe(mesh)  # experts routed by data: the window form
+    acc = MicrobatchAccumulator(model, fsdp="window")
     with count_collectives() as c:
         ledger = run_weighted(model, acc, share(data, counts, rank), lookahead=True)
     placements = str(model.shared.weight.grad.placements)
@@ -325,8 +338,14 @@ def hsdp_world() -> dict[str, Any]:
         with acc2.microbatch(weight=int(batch[3].sum()) if real else 0):
             (token_loss_sum(every, batch) * (1.0 if real else 0.0)).backward()
     acc2.finish()
+    every_error = w.max_error(_grads(every), token_truth(data[:6]))
+    acc2.close()
+    every.zero_grad()
+    acc3 = MicrobatchAccumulator(every)  # the default: gradagg pads ranks 0, 1, 3 by itself
+    run_weighted(every, acc3, mine, lookahead=True)
     return {
-        "every_microbatch_error": w.max_error(_grads(every), token_truth(data[:6])),
+        "shards_error": w.max_error(_grads(every), token_truth(data[:6])),
+        "every_microbatch_error": every_error,
         "error": w.max_error(_grads(model), token_truth(data[:6])),
         "ledger": ledger,
         "collectives": dict(c.by_op),
@@ -339,8 +358,8 @@ def fsdp_dying_world(timeout_s: float) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
-    model = sharded_moe(init_device_mesh("cpu", (2,)))
-    acc = MicrobatchAccumulator(model)
+    model = sharded_moe(init_device_mesh("cpu", (2,)))  # experts routed by data: the window form
+    acc = MicrobatchAccumulator(model, fsdp="window")
     data = token_batches(4)
     for batch in share(data, [2, 2], rank):
         with acc.microbatch(weight=int(batch[3].sum())):

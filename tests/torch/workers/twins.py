@@ -18,7 +18,9 @@ from gradagg.torch.pure import PureAccumulator
 from tests.torch.workers import dist as w
 from tests.torch.workers import train as tw
 
-FORMS = ("plain", "ddp", "ddp_views", "fsdp2")  # ddp_views: gradient_as_bucket_view, find_unused_parameters
+# ddp_views: gradient_as_bucket_view, find_unused_parameters; fsdp2: experts sharded (routed by data), the window
+# form; fsdp2_shards: experts inside the root's unit, the default (shards) form, padding uneven counts itself
+FORMS = ("plain", "ddp", "ddp_views", "fsdp2", "fsdp2_shards")
 COUNTS = ([0, 4], [3, 5], [1, 0])
 
 
@@ -40,8 +42,8 @@ def run(acc: Any, model: nn.Module, mine: list[tw.TokenBatch], weighted: bool) -
 
 def wrapped(form: str, mesh: Any) -> tuple[nn.Module, nn.Module]:
     """(what the accumulator is given, what runs the forward) for a fresh TinyMoE."""
-    if form == "fsdp2":
-        sharded = tw.sharded_moe(mesh)
+    if form.startswith("fsdp2"):
+        sharded = tw.sharded_moe(mesh, experts=form == "fsdp2")
         return sharded, sharded
     model = w.TinyMoE()
     if form in ("ddp", "ddp_views"):
@@ -76,7 +78,7 @@ def twins_world() -> dict[tuple[str, bool, str], Any]:
             want = full(replica)
             for form in FORMS:
                 given, forward = wrapped(form, mesh)
-                acc = MicrobatchAccumulator(given)
+                acc = MicrobatchAccumulator(given, fsdp="window" if form == "fsdp2" else "shards")
                 run(acc, forward, mine, weighted)
                 got = full(given)
                 acc.close()

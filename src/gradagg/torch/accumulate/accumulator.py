@@ -14,12 +14,12 @@ import torch
 
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch.accumulate import attaching, hooks, opening, terms
+from gradagg.torch.accumulate import attaching, hooks, opening, padding, terms
 from gradagg.torch.accumulate import finish as finishing
 from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
 from gradagg.torch.accumulate.params import ParamSource
-from gradagg.torch.accumulate.state import State, build
+from gradagg.torch.accumulate.state import Pad, State, build
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
 from gradagg.torch.collectives import Group
 
@@ -53,9 +53,14 @@ class MicrobatchAccumulator:
         nonfinite: ``"propagate"`` (default): NaN and Inf flow through the sum, identically on every rank;
             ``"raise"``: :meth:`finish` raises :class:`NonFiniteGradientError` on every rank, naming the
             ranks whose gradients were non-finite.
-        fsdp: under FSDP2, ``"window"`` (default: uneven counts allowed; unsharded gradients held) or
-            ``"every_microbatch"`` (FSDP reduces each microbatch; equal counts required). See
+        fsdp: under FSDP2, ``"shards"`` (default; ``"every_microbatch"``, its former name, too): sharded
+            gradients only, FSDP reducing each microbatch, uneven counts padded (see :mod:`.padding`); or
+            ``"window"``: unsharded parameters and gradients held over the window, no padding. See
             :mod:`gradagg.torch.accumulate.fsdp`.
+        pad: the shards form's padding microbatch, for a rank that ran out while others still run one:
+            ``fn()`` (a forward on a small batch, returning its loss; its gradients are dropped), ``"replay"``
+            (default: the module's last forward inputs run again), or None (uneven counts then raise
+            GradaggError on every rank). Unused without FSDP2 and by the window form.
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
 
     Raises:
@@ -79,12 +84,14 @@ class MicrobatchAccumulator:
         *,
         group: Group = None,
         nonfinite: NonFinite = "propagate",
-        fsdp: Mode = "window",
+        fsdp: Mode = "shards",
         bucket_mb: float = 25.0,
+        pad: Pad = "replay",
     ) -> None:
-        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb)
-        hooks.install(self._state)
+        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad)
+        opening.install(self._state)
         opening.open_before_forward(self._state)
+        padding.watch_forward(self._state)
 
     # --- the window ----------------------------------------------------------------------------
 
@@ -123,13 +130,14 @@ class MicrobatchAccumulator:
         if not st.window.open:
             opening.open_window(st)
         w = st.window
+        padding.enter(st)  # the shards form: the round, agreed with the other ranks (a rank that ran out pads)
         hooks.refuse_hand_set(st, f"before microbatch {w.m}")
         if w.last_done:
             w.fail(LATE, f"microbatch {w.m} runs after the microbatch marked last")
         w.note_weighting(value)
         if st.fsdp is not None:
-            st.fsdp.set_all_reduce(last or lookahead is None)
-        w.in_microbatch, w.seen, w.in_last = True, set(), last
+            st.fsdp.set_all_reduce(padding.all_reduce_now(st, last, lookahead))
+        w.in_microbatch, w.seen, w.in_last = True, set(), padding.sends_early(st, last)
         try:
             yield
             hooks.take_hand_set(st)
@@ -142,6 +150,7 @@ class MicrobatchAccumulator:
             w.last_done = w.last_done or last
         finally:
             w.in_microbatch = w.in_last = False
+            w.agreed = None
 
     def microbatches(self, items: Iterable[T]) -> Iterator[T]:
         """Yield ``items`` with one item of look-ahead, so that the last one's microbatch is marked ``last``.
@@ -156,6 +165,11 @@ class MicrobatchAccumulator:
         >>> list(acc.microbatches("ab"))
         ['a', 'b']
         """
+        if self._open_state().rounds():  # FSDP2's shards form: one agreed round per item, then padding
+            return padding.rounds(self._state, items)
+        return self._lookahead(items)
+
+    def _lookahead(self, items: Iterable[T]) -> Iterator[T]:
         it = iter(items)
         try:
             upcoming = next(it)

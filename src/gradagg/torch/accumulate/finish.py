@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, shards, stale
+from gradagg.torch.accumulate import hooks, opening, padding, shards, stale
 from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
@@ -65,6 +65,7 @@ def discard(state: State) -> None:
         t.grad = None
     if state.fsdp is not None and state.window.open:
         state.fsdp.reshard()
+    state.padding = False
     state.new_window()
 
 
@@ -76,7 +77,9 @@ def _prepare(state: State) -> None:
         opening.open_window(state, empty=True)
         if held is not None:
             w.fail(STALE, f"parameter {held!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
+        padding.finish_rounds(state)  # a rank with none pads while the others still run theirs
     else:
+        padding.finish_rounds(state)
         hooks.refuse_hand_set(state, "after the window's last microbatch")
         opening.check_params(state)
         kept = shards.kept_by_fsdp(state)
@@ -174,6 +177,7 @@ def _external(state: State) -> list[int]:
 
 def _close_window(state: State, ledger: Ledger) -> None:
     only_shards = all(b.kind != "all_reduce" for b in state.layout().buckets)
+    state.padded_last = state.window.padded
     state.new_window()  # counters to zero: a second finish() cannot divide the same sums twice
     state.last = ledger
     if only_shards:

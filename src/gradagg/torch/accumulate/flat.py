@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from gradagg.torch.buffers import ReusableBuffer
+from gradagg.torch.placements import local_tensor
 
 Kind = Literal["all_reduce", "reduce_scatter", "external"]  # external: counted here, reduced elsewhere
 # One slot per rank each. A rank's total weight travels as the four 16-bit pieces of its float64 bits: whole
@@ -244,6 +245,7 @@ class FlatLayout:
     def add(self, flat: torch.Tensor, i: int, grad: torch.Tensor, first: bool = False) -> None:
         """Add parameter ``i``'s full gradient into its slot (shard rows into their segments); copy if ``first``."""
         s = self.slots[i]
+        grad = local_tensor(grad)  # torchtitan's full_dtensor: the unsharded gradient is a Replicate() DTensor
         src = torch.view_as_real(grad.resolve_conj()) if grad.is_complex() else grad
         src = src.reshape(-1).to(device=self.device, dtype=self.dtype)
         seg = self.segments(flat, s.bucket)

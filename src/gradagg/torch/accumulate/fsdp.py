@@ -2,7 +2,10 @@
 
 Two ways to accumulate (``MicrobatchAccumulator(model, fsdp=...)``):
 
-* ``"window"`` (default): any number of microbatches per rank, zero included. At the window's start every
+* ``"shards"`` (default; ``"every_microbatch"`` is its former name, still accepted): only sharded gradients
+  are held, FSDP reduce-scattering each microbatch (below), with any number of microbatches per rank, zero
+  included: the ranks agree on each microbatch and a rank that ran out pads (see :mod:`.padding`).
+* ``"window"``: any number of microbatches per rank, zero included, no padding. At the window's start every
   rank unshards every FSDP module (``FSDPModule.unshard``, in module order: the same all-gathers on every
   rank, the one collective FSDP needs); parameters stay unsharded over the window
   (``set_reshard_after_forward(False)``, ``set_reshard_after_backward(False)``) and FSDP never reduces
@@ -13,7 +16,7 @@ Two ways to accumulate (``MicrobatchAccumulator(model, fsdp=...)``):
   the shard over the replicas: the cross-replica step happens once, at the window's end), divides by the
   counted divisor, sets each sharded parameter's ``.grad`` to a ``DTensor`` and reshards. Memory: the
   unsharded parameters and one unsharded gradient buffer for the whole window.
-* ``"every_microbatch"``: FSDP's own reduce-scatter after every microbatch, forced to a plain sum
+How ``"shards"`` reduces: FSDP's own reduce-scatter after every microbatch, forced to a plain sum
   (``set_gradient_divide_factor(1.0)``, ``set_force_sum_reduction_for_comms(True)``: gloo rejects
   ``PREMUL_SUM``) with zeros for parameters a microbatch did not use
   (``set_reduce_scatter_unused_params(True)``). FSDP hands each microbatch's reduced shard to a
@@ -22,8 +25,8 @@ Two ways to accumulate (``MicrobatchAccumulator(model, fsdp=...)``):
   for bf16 parameters) and ``finish()`` divides them. Participation is counted on the unsharded parameters,
   hooked when a window opens: the modules are unsharded one at a time there, each resharded before the
   next. Only sharded gradients are held, but FSDP's
-  collectives then run once per microbatch, so **every rank must run the same number of microbatches**:
-  pad short ranks with ``weight=0`` microbatches.
+  collectives then run once per microbatch on every rank: a rank that ran out runs a padding microbatch
+  (:mod:`.padding`), which adds exactly zero and counts nowhere.
 
 Mixed precision (``MixedPrecisionPolicy``): forwards and backwards run as FSDP configures them; every sum
 over microbatches is in float32 at least (window: gradagg's buffer, reduce-scattered in float32 whatever
@@ -43,10 +46,23 @@ import torch
 from torch import nn
 
 from gradagg.errors import GradaggError
-from gradagg.torch.placements import is_dtensor
 
-Mode = Literal["window", "every_microbatch"]
-MODES: tuple[str, ...] = ("window", "every_microbatch")
+Mode = Literal["shards", "window", "every_microbatch"]
+MODES: tuple[str, ...] = ("shards", "window", "every_microbatch")
+
+
+def check_mode(mode: object) -> str:
+    """The FSDP2 form named by ``mode``: ``"shards"`` or ``"window"`` (``"every_microbatch"`` is ``"shards"``).
+
+    Raises:
+        GradaggError: any other value.
+
+    >>> check_mode("every_microbatch")
+    'shards'
+    """
+    if mode not in MODES:
+        raise GradaggError(f"fsdp must be 'shards' (the default), 'window' or 'every_microbatch', got {mode!r}")
+    return "window" if mode == "window" else "shards"
 
 
 class FsdpParams:
@@ -68,9 +84,7 @@ class FsdpParams:
     def __init__(self, root: nn.Module, names: list[str], params: list[torch.Tensor], mode: Mode, world: int) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        if mode not in MODES:
-            raise GradaggError(f"fsdp must be 'window' or 'every_microbatch', got {mode!r}")
-        self.root, self.names, self.params, self.mode = root, names, params, mode
+        self.root, self.names, self.params, self.mode = root, names, params, check_mode(mode)
         self.modules: list[Any] = [m for m in root.modules() if isinstance(m, FSDPModule)]
         self._prefixes = {id(m): name for name, m in root.named_modules()}  # a module's name, for its parameters
         if not self.modules:
@@ -135,7 +149,7 @@ class FsdpParams:
     def unshard(self) -> dict[str, torch.Tensor]:
         """Unshard every FSDP module (the same all-gathers, in module order, on every rank).
 
-        In window form they stay unsharded over the window. In every_microbatch form each module is resharded
+        In window form they stay unsharded over the window. In shards form each module is resharded
         as soon as its unsharded parameters are known (FSDP keeps those tensor objects across its own
         unshard/reshard, so hooks on them keep firing): one module is unsharded at a time, never the model.
 
@@ -146,17 +160,21 @@ class FsdpParams:
             GradaggError: a parameter is still a DTensor after unsharding.
         """
         now: dict[str, torch.Tensor] = {}
+        shards = {id(p) for p in self.params}
         for m in self.modules:
             m.unshard()
             for name, t in m.named_parameters(prefix=self._prefixes[id(m)]):
-                if not is_dtensor(t):  # its own parameters; nested FSDP modules' are still shards
+                # its own parameters, now other objects; nested FSDP modules' are still the shards. Told apart by
+                # identity, not by type: under torchtitan's full_dtensor backend (fully_shard with dp_mesh_dims)
+                # the unsharded parameters are DTensors too, Replicate() on the data-parallel mesh dimensions
+                if id(t) not in shards:
                     now.setdefault(name, t)
-            if self.mode == "every_microbatch":
+            if self.mode == "shards":
                 m.reshard()
         out: dict[str, torch.Tensor] = {}
         for name, p in zip(self.names, self.params):
             t = now.get(name)
-            if t is None or is_dtensor(t):
+            if t is None:
                 raise GradaggError(
                     f"parameter {name!r} ({_where(p)}) is still a DTensor after every FSDP module unsharded: no "
                     "fully_shard manages it (registered after fully_shard, or made by distribute_tensor or tensor "
@@ -180,7 +198,7 @@ class FsdpParams:
         256 + 1 rounds to 256 in bf16. All-reduced every microbatch, each lands in the float32 sum of
         :func:`gradagg.torch.accumulate.shards.on_shard`.
         """
-        if self.mode == "every_microbatch" and self.replicate_group is not None:
+        if self.mode == "shards" and self.replicate_group is not None:
             for m in self.modules:
                 m.set_requires_all_reduce(enabled or self.low_precision, recurse=False)
 
@@ -216,4 +234,4 @@ def _where(p: torch.Tensor) -> str:
     """A DTensor's placements and mesh, for messages."""
     return f"placements {tuple(p.placements)} on {p.device_mesh}"  # type: ignore[attr-defined]
 
-__all__ = ["MODES", "FsdpParams", "Mode", "low_precision"]
+__all__ = ["MODES", "FsdpParams", "Mode", "check_mode", "low_precision"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import GradaggError
-from gradagg.torch.accumulate import hooks, stale
+from gradagg.torch.accumulate import hooks, shards, stale
 from gradagg.torch.accumulate.buckets import Groups, Sender
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import CHANGED
@@ -37,7 +37,7 @@ def open_window(state: State, *, empty: bool = False) -> None:
         for name, t in state.fsdp.unshard().items():
             i = state.names.index(name)
             state.unsharded[i] = t
-            hooks.hook(state, t, i, hooks.on_grad)
+            hooks.hook(state, t, i, taken)
     layout = state.layout()
     w.flat = layout.fresh(state.pools[0])
     w.out = layout.output(state.pools[1])
@@ -45,6 +45,25 @@ def open_window(state: State, *, empty: bool = False) -> None:
     if state.fsdp is not None:
         groups = Groups(state.group, state.fsdp.shard_group, state.fsdp.replicate_group)
     w.sender = Sender(layout, w.flat, w.out, groups, state.nonfinite == "raise", w.written)
+
+
+def install(state: State) -> None:
+    """Hook every parameter (:func:`gradagg.torch.accumulate.hooks.install`'s, padding-aware): plain ones take
+    their gradient into the buffer; under the shards form, FSDP hands its reduced shards to the sharded ones."""
+    for i, t in enumerate(state.tensors):
+        if i not in state.sharded:
+            hooks.hook(state, t, i, taken)
+        elif state.every_microbatch():
+            hooks.hook(state, t, i, shards.on_shard)  # FSDP calls it with each microbatch's reduced shard
+
+
+def taken(state: State, i: int, param: torch.Tensor) -> None:
+    """:func:`~.hooks.on_grad`, except in a padding microbatch, whose gradients are dropped (counted nowhere;
+    FSDP then reduce-scatters zeros for an unsharded parameter, whatever the padding's loss was)."""
+    if state.padding:
+        param.grad = None
+        return
+    hooks.on_grad(state, i, param)
 
 
 def open_before_forward(state: State) -> None:
@@ -136,4 +155,4 @@ def fingerprint(t: torch.Tensor) -> str:
     return f"{h:016x}"
 
 
-__all__ = ["check_layout", "check_params", "fingerprint", "open_before_forward", "open_window"]
+__all__ = ["check_layout", "check_params", "fingerprint", "install", "open_before_forward", "open_window", "taken"]

@@ -9,8 +9,9 @@ module's objects. The fixed part (parameters, group, FSDP and DDP sides, the lay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -18,7 +19,7 @@ from gradagg.errors import GradaggError
 from gradagg.options import NonFinite
 from gradagg.torch.accumulate.ddp import DdpHold
 from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
-from gradagg.torch.accumulate.fsdp import FsdpParams, Mode
+from gradagg.torch.accumulate.fsdp import FsdpParams, Mode, check_mode
 from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params, ParamSource
 from gradagg.torch.accumulate.window import Window
@@ -26,6 +27,7 @@ from gradagg.torch.buffers import ReusableBuffer
 from gradagg.torch.collectives import Group, device_for, get_rank, get_world_size
 
 _BYTES_PER_MB = 2**20
+Pad = Callable[[], torch.Tensor] | Literal["replay"] | None  # see gradagg.torch.accumulate.padding
 
 
 @dataclass
@@ -49,7 +51,11 @@ class State:
         last: the ledger of the last finished window.
         next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
         sharded: indices of the FSDP2 (DTensor) parameters (set on construction).
-        external: those FSDP2 reduces itself (``fsdp="every_microbatch"``), whose buffer slot stays empty.
+        external: those FSDP2 reduces itself (``fsdp="shards"``), whose buffer slot stays empty.
+        pad: the padding batch of the shards form (see :mod:`.padding`).
+        padding: a padding microbatch is running (its gradients are dropped before FSDP or the buffer sees them).
+        kept: the root module's last forward inputs ``(args, kwargs)``, replayed by ``pad="replay"``.
+        padded_last: how many padding microbatches this rank ran in the last finished window.
     """
 
     params: Params
@@ -68,6 +74,10 @@ class State:
     last: Ledger | None = None
     next_last: bool | None = None
     flat_layout: FlatLayout | None = None  # built on first use by layout()
+    pad: Pad = "replay"
+    padding: bool = False
+    kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    padded_last: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -83,8 +93,12 @@ class State:
         self.external: frozenset[int] = self.sharded if self.every_microbatch() else frozenset()
 
     def every_microbatch(self) -> bool:
-        """Whether FSDP2 reduces each microbatch itself (``fsdp="every_microbatch"``)."""
-        return self.fsdp is not None and self.fsdp.mode == "every_microbatch"
+        """Whether FSDP2 reduces each microbatch itself (``fsdp="shards"``, formerly ``"every_microbatch"``)."""
+        return self.fsdp is not None and self.fsdp.mode == "shards"
+
+    def rounds(self) -> bool:
+        """Whether the ranks agree on every microbatch and short ranks pad (the shards form, in a group)."""
+        return self.every_microbatch() and get_world_size(self.group) > 1
 
     def takes(self, i: int) -> bool:
         """Whether parameter ``i``'s gradient goes into the accumulator's buffer (not reduced by FSDP itself)."""
@@ -101,12 +115,14 @@ class State:
         return self.flat_layout
 
 
-def build(source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float) -> State:
+def build(
+    source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float, pad: Pad = "replay"
+) -> State:
     """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.hooks.install`).
 
     Raises:
-        GradaggError: ``bucket_mb`` not a positive number; an invalid ``fsdp``; DTensors without their module;
-            a parameter on the meta device; the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+        GradaggError: ``bucket_mb`` not a positive number; an invalid ``fsdp`` or ``pad``; DTensors without their
+            module; a parameter on the meta device; the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
     """
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
@@ -119,14 +135,17 @@ def build(source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, b
         )
     ddp = DdpHold(params.ddp) if params.ddp is not None else None
     fsdp_side = _fsdp_side(params, fsdp, group)
-    return State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
+    if not (pad is None or pad == "replay" or callable(pad)):
+        raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
+    state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
+    state.pad = pad
+    return state
 
 
 def _fsdp_side(params: Params, mode: Mode, group: Group) -> FsdpParams | None:
     sharded = params.sharded
     if not sharded:
-        if mode not in ("window", "every_microbatch"):
-            raise GradaggError(f"fsdp must be 'window' or 'every_microbatch', got {mode!r}")
+        check_mode(mode)
         return None
     if params.module is None:
         raise GradaggError("DTensor parameters: pass the module fully_shard was applied to, not its parameters")

@@ -18,6 +18,7 @@ from gradagg.torch.accumulate.ledger import DIVIDED, NONE, UNWEIGHTED, WEIGHTED
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
+    from gradagg.torch.accumulate.padding import Round
 
 OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET = range(11)
 STATUS_TEXT = {
@@ -136,7 +137,11 @@ class Window:
     flat: torch.Tensor | None = None  # the input buffer: every gradient and the counters
     out: torch.Tensor | None = None  # where reduce-scatter segments land (FSDP2)
     sender: Sender | None = None
-    shard_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # every_microbatch: FSDP's shards, summed
+    shard_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # shards form: FSDP's shards, summed
+    # the shards form's rounds (see gradagg.torch.accumulate.padding)
+    agreed: Round | None = None  # the round agreed for the microbatch about to run here
+    done: bool = False  # a round found no rank with a microbatch: the window's loop is over on every rank
+    padded: int = 0  # padding microbatches run here
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params

@@ -1,0 +1,285 @@
+"""The shards form with uneven microbatch counts: the ranks agree on each round, and a rank that ran out pads.
+
+Why: under ``fsdp="shards"`` FSDP2 all-gathers in every forward and reduce-scatters in every backward, on
+every rank of its mesh; a rank that ran out of microbatches must still join those collectives, or the others
+wait for ever. So a window runs in *rounds*, one per microbatch of the rank that has the most. Before each
+round one small all_reduce (4 numbers per rank) tells every rank which ranks run a microbatch now and whether
+any has one after it. A rank without one runs a *padding microbatch*: a forward and backward whose gradients
+are dropped in their post-accumulate-grad hooks, before FSDP sees them (FSDP then reduce-scatters zeros for
+them: ``set_reduce_scatter_unused_params``), so it adds exactly zero, even where its loss is not finite,
+and counts in neither M, the weights nor participation. The sums it receives from the other ranks are kept
+as every round's are. A round where no rank has a microbatch ends the window's loop on every rank.
+
+Where a round is agreed:
+
+* in ``acc.microbatches(loader)``, before each item; once this rank's items are done, it pads round after
+  round until no rank has one (the look-ahead also tells the last round, where HSDP all-reduces over the
+  replicas);
+* with bare ``microbatch()`` calls, at the first of the microbatch's entry and its forward's start (the root
+  module's forward pre-hook: a forward written before the ``with`` would otherwise all-gather before the
+  agreement), and ``finish()`` pads until no rank has one.
+
+The padding batch (``MicrobatchAccumulator(model, pad=...)``): a function ``fn()`` that runs a forward on a
+small batch and returns its loss; or ``"replay"`` (default): the root module's last forward inputs are run
+again, the output's floating tensors summed as the loss. A rank that ran no forward yet borrows the inputs of
+the lowest rank running a microbatch in that round (one ``all_gather_object``; the inputs are then kept).
+``None``: no padding; uneven counts raise GradaggError on every rank, before any FSDP collective
+of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
+blocks: use ``fsdp="window"`` there), and runs in training mode (a BatchNorm's running statistics see it:
+pass ``pad=`` for such models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from gradagg.errors import GradaggError
+from gradagg.torch.accumulate import opening
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.collectives import all_gather_object, all_reduce_sum, device_for, get_rank, get_world_size
+
+T = TypeVar("T")
+_END = object()  # an exhausted iterator's marker (None may be an item)
+
+
+@dataclass
+class Round:
+    """What every rank knows about one round once it was agreed (the same on every rank).
+
+    Attributes:
+        running: the ranks that run a real microbatch in it.
+        last: no rank has a microbatch after it (known with ``microbatches()``'s look-ahead only).
+        known: every rank knew whether it has one after (no bare ``microbatch()`` call in the round): only then
+            may HSDP defer its all-reduce over the replicas to the last round.
+        source: the rank whose forward inputs are sent to a rank that has none to replay, or -1.
+        shared: whether this rank took part in that exchange yet.
+    """
+
+    running: list[int]
+    last: bool
+    known: bool
+    source: int
+    world: int
+    shared: bool = False
+
+    @property
+    def everyone(self) -> bool:
+        """Every rank runs a real microbatch: no padding in this round."""
+        return len(self.running) == self.world
+
+
+def agree(state: State, now: bool, after: bool | None) -> Round:
+    """One round's all_reduce: which ranks run a microbatch now, which have one after, who needs inputs.
+
+    Args:
+        now: this rank runs a real microbatch in this round.
+        after: it has one after this one (None: not known, bare ``microbatch()`` calls).
+
+    Raises:
+        GradaggError: on every rank, when a rank must pad and has ``pad=None`` (the window is dropped).
+    """
+    world, rank = get_world_size(state.group), get_rank(state.group)
+    needs = not now and state.pad == "replay" and state.kept is None
+    refuses = not now and state.pad is None
+    vec = torch.zeros(5 * world, dtype=torch.float64)  # 5 rows of one slot per rank; a sum fills them all
+    vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None], dtype=torch.float64)
+    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(5, world).tolist()
+    running = [r for r in range(world) if got[0][r]]
+    padding = 0 < len(running) < world
+    refused = [r for r in range(world) if got[3][r]] if padding else []
+    if refused:
+        from gradagg.torch.accumulate.finish import discard  # finish calls this module: imported when needed
+
+        discard(state)
+        raise GradaggError(
+            f"rank {rank}: uneven microbatch counts in the shards form (ranks {running} run a microbatch in this "
+            f"round, rank(s) {refused} have none and pad=None): FSDP2's collectives need every rank; pass "
+            "MicrobatchAccumulator(model, pad=fn) (fn() returns a small batch's loss), pad='replay', or "
+            "fsdp='window'; the window was dropped on every rank"
+        )
+    source = min(running) if padding and any(got[2]) else -1
+    return Round(running, not any(got[1]), not any(got[4]), source, world)
+
+
+def share_inputs(state: State, rnd: Round) -> None:
+    """The round's exchange of forward inputs, for a rank that has none to replay (every rank calls it once).
+
+    An ``all_gather_object`` in which only the source sends its inputs (the others send None): the one object
+    collective gradagg issues, and it runs at most once per accumulator and rank that needs it, as a rule.
+    """
+    if rnd.source < 0 or rnd.shared:
+        return
+    rnd.shared = True
+    mine = get_rank(state.group) == rnd.source
+    got = all_gather_object(_to_cpu(state.kept) if mine else None, state.group)[rnd.source]
+    if state.kept is None:  # kept for the next windows
+        state.kept = _to_device(got, device_for(state.group))
+
+
+def pad_once(state: State, rnd: Round) -> None:
+    """Run one padding microbatch: its FSDP collectives pair with the others'; its gradients are dropped."""
+    share_inputs(state, rnd)
+    if state.fsdp is not None:
+        state.fsdp.set_all_reduce(rnd.last or not rnd.known)
+    state.padding = True
+    try:
+        with torch.enable_grad():
+            loss = state.pad() if callable(state.pad) else _replay(state)
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                raise GradaggError(f"the padding microbatch's loss must be a tensor with a gradient, got {loss!r}")
+            loss.backward()  # type: ignore[no-untyped-call]
+    finally:
+        state.padding = False
+    state.window.padded += 1
+
+
+def before_forward(state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The root module's forward pre-hook (shards form): open the window, agree the round, keep the inputs."""
+    if state.closed or state.padding or not torch.is_grad_enabled():
+        return
+    if not state.window.open:
+        opening.open_window(state)
+    w = state.window
+    state.kept = (args, kwargs)  # references only: this microbatch's inputs, replaced by the next one's
+    if not state.rounds():
+        return
+    if w.agreed is None:
+        w.agreed = agree(state, True, None)  # a bare microbatch whose forward comes first
+    share_inputs(state, w.agreed)
+
+
+def watch_forward(state: State) -> None:
+    """Register :func:`before_forward` on the root module (shards form), before FSDP's own pre-hook."""
+    module = state.params.module
+    if not state.every_microbatch() or module is None:
+        return
+
+    def hook(_module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        before_forward(state, args, kwargs)
+
+    state.extra_hooks.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+
+
+def enter(state: State) -> Round | None:
+    """At ``microbatch()``'s entry (window open): the round agreed for it, agreeing it here if nothing did."""
+    w = state.window
+    if not state.rounds():
+        return None
+    if w.agreed is None:
+        w.agreed = agree(state, True, None)
+    return w.agreed
+
+
+def rounds(state: State, items: Iterable[T]) -> Iterator[T]:
+    """``microbatches()`` in the shards form: one round per item with look-ahead, then padding until all are done."""
+    it = iter(items)
+    upcoming: Any = next(it, _END)
+    while True:
+        current, upcoming = upcoming, (_END if upcoming is _END else next(it, _END))
+        if not state.window.open:
+            opening.open_window(state)
+        rnd = agree(state, current is not _END, upcoming is not _END)
+        if not rnd.running:
+            state.window.done = True
+            return
+        if current is _END:
+            pad_once(state, rnd)
+            continue
+        state.window.agreed = rnd
+        state.next_last = rnd.last and rnd.everyone  # early bucket sends only where every rank runs the same
+        yield current
+
+
+def finish_rounds(state: State) -> None:
+    """In ``finish()``: pad until a round finds no rank with a microbatch (bare ``microbatch()`` loops)."""
+    w = state.window
+    while state.rounds() and not w.done:
+        rnd = agree(state, False, False)
+        if not rnd.running:
+            w.done = True
+        else:
+            pad_once(state, rnd)
+
+
+def all_reduce_now(state: State, last: bool, lookahead: bool | None) -> bool:
+    """HSDP: whether this microbatch's backward all-reduces over the replicas (deferred to the last round)."""
+    rnd = state.window.agreed
+    if rnd is not None:
+        return rnd.last or not rnd.known
+    return last or lookahead is None
+
+
+def sends_early(state: State, last: bool) -> bool:
+    """Whether this microbatch's backward may send complete buckets: in the shards form only in a last round
+    that every rank runs (elsewhere a short rank's buckets would go out between the others' FSDP collectives)."""
+    rnd = state.window.agreed
+    if not state.rounds() or not last:
+        return last
+    return rnd is not None and rnd.last and rnd.everyone
+
+
+def _replay(state: State) -> torch.Tensor:
+    module = state.params.module
+    if state.kept is None or module is None:
+        raise GradaggError(
+            f"rank {get_rank(state.group)}: pad='replay' has no forward inputs to replay (no forward through the "
+            "module given to the accumulator ran on any rank); pass pad=fn"
+        )
+    args, kwargs = _detached(state.kept)
+    out = module(*args, **kwargs)
+    parts = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise GradaggError("pad='replay': the module's output holds no floating tensor with a gradient; pass pad=fn")
+    return torch.stack(parts).sum()
+
+
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts (a ``ModelOutput`` is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _detached(kept: Any) -> Any:
+    return _map(kept, lambda t: t.detach())
+
+
+def _to_cpu(kept: Any) -> Any:
+    return _map(kept, lambda t: t.detach().cpu())
+
+
+def _to_device(kept: Any, device: torch.device) -> Any:
+    return _map(kept, lambda t: t.to(device))
+
+
+__all__ = [
+    "Round",
+    "agree",
+    "all_reduce_now",
+    "before_forward",
+    "enter",
+    "finish_rounds",
+    "pad_once",
+    "rounds",
+    "sends_early",
+    "watch_forward",
+]
