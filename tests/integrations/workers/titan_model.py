@@ -173,9 +173,13 @@ def full_grads(model: nn.Module) -> Grads:
 
 
 def to_titan(seqs: Sequence[dict[str, list[int]]]) -> Batch:
-    """torchtitan's batch: input tokens and next-token labels, right-padded (labels -100 on prompt and padding)."""
+    """torchtitan's batch: input tokens and next-token labels, right-padded (labels -100 on prompt and padding) to
+    an even length, which ChunkedLossWrapper (2 chunks here) needs."""
     b = tiny_llama.collate(seqs)
-    return {"input": b["input_ids"][:, :-1]}, b["labels"][:, 1:]
+    inputs, labels = b["input_ids"][:, :-1], b["labels"][:, 1:]
+    odd = inputs.shape[1] % 2
+    return ({"input": nn.functional.pad(inputs, (0, odd), value=tiny_llama.PAD)},
+            nn.functional.pad(labels, (0, odd), value=-100))
 
 
 def reference64(params: Grads) -> nn.Module:
