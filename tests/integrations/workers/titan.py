@@ -70,10 +70,12 @@ def _trainer_class() -> type:
             self.model_config = tm.tiny_config()
             self.model_parts = [tm.build(backend, ac, dims)]
             self.loss_fn = CrossEntropyLoss.Config().build()
-            if chunked:  # the llama3 configs' loss: lm_head and its backward run inside the loss, chunk by chunk
+            # The llama3 configs' loss: lm_head and its backward run inside the loss, chunk by chunk (set up as
+            # Trainer.__init__ does).
+            if chunked:
                 self.loss_fn = ChunkedLossWrapper.Config(num_chunks=2).build()
                 self.loss_fn.set_lm_head(self.model_parts[0].lm_head)
-                self.model_parts[0]._skip_lm_head = True  # type: ignore[assignment]  (as Trainer.__init__ sets it)
+                self.model_parts[0]._skip_lm_head = True  # type: ignore[assignment]
             self.optimizers = default_adamw(lr=1e-3, implementation="foreach").build(model_parts=self.model_parts)
             self.lr_schedulers = LRSchedulersContainer.Config().build(optimizers=self.optimizers, training_steps=10)
             self.metrics_processor, self.checkpointer = _Metrics(), _NoCheckpoint()
