@@ -1,1 +1,1 @@
-"""Worker modules for the integration tests: importable by the ranks of a local world."""
+"""Worker modules for the integration tests, importable by the ranks of a local world."""
