@@ -22,9 +22,9 @@ one) nothing needs agreeing: the clips and steps ask whether the window is open.
   :class:`~gradagg.errors.WindowError`, naming the clip and the fix.
 * ``torch.nn.utils.clip_grads_with_norm_`` over held parameters: always refused, since its norm was
   computed before (torchtitan and Accelerate call ``get_total_norm([p.grad ...])``, which saw no gradient).
-* an optimizer step over held parameters of an accumulator not attached to it: refused. Before that
-  optimizer's first step only a rank whose window is open refuses (a rank with nothing held, before any step,
-  cannot be told from a correct loop: its peer's error then ends the run at its next collective).
+* an optimizer step over held parameters of an accumulator not attached to it: refused; except a step whose
+  parameters have gradients (the hooks leave none while a window is held), such as the zero-gradient step
+  ``torch.distributed.checkpoint`` takes to create an optimizer's state before loading.
 * ``get_total_norm(tensors)`` takes gradients, not parameters: an empty list (``.grad`` None) names no
   accumulator, so it is not guarded itself; the clip that follows it is.
 
@@ -186,9 +186,10 @@ def check_step(optimizer: Any) -> None:
     for entry, state in _live():
         if optimizer in entry.attached or not _indices(state, tensors):
             continue
-        held = state.window.open
-        if optimizer in entry.marks and get_world_size(state.group) > 1:
-            held = held_for(state, optimizer)  # the rank-independent answer, where other ranks must agree
+        if get_world_size(state.group) == 1:
+            held = state.window.open  # one process: what is held is exactly what an open window holds
+        else:
+            held = held_for(state, optimizer) and not _has_grads(state, tensors)
         if held:
             raise WindowError(
                 f"{type(optimizer).__name__}.step() would skip the gradients the accumulator still holds (no finish() "
@@ -196,6 +197,14 @@ def check_step(optimizer: Any) -> None:
                 "optimizer.step(), or acc.attach(optimizer) so that its step finishes the window first "
                 "(or close() an accumulator no longer used)"
             )
+
+
+def _has_grads(state: State, tensors: list[torch.Tensor]) -> bool:
+    """Whether the optimizer's accumulated parameters have gradients: never while held (the hooks take them),
+    but in a step that set them itself, e.g. torch.distributed.checkpoint's zero-gradient step that creates
+    an optimizer's state before loading a checkpoint."""
+    where = index_of(state)
+    return any(t.grad is not None for t in tensors if id(t) in where)
 
 
 def _step_pre_hook(optimizer: Any, _args: object, _kwargs: object) -> None:

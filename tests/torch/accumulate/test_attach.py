@@ -27,8 +27,10 @@ def net() -> nn.Module:
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, 1, generator=g, dtype=torch.float64))
-            for _ in range(n)]
+    return [
+        (torch.randn(2, 3, generator=g, dtype=torch.float64), torch.randn(2, 1, generator=g, dtype=torch.float64))
+        for _ in range(n)
+    ]
 
 
 def loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -71,16 +73,6 @@ def run(model: nn.Module, acc: MicrobatchAccumulator, step: Callable[[], object]
                 loss(model, b).backward()
         step()
         zero()
-
-
-@pytest.fixture
-def accelerator() -> Iterator[Any]:
-    accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    yield accelerate.Accelerator(cpu=True)
-    AcceleratorState._reset_state(True)  # a process-wide singleton: leave none behind for the other tests
-    GradientState._reset_state()
 
 
 def test_accelerated_optimizer(accelerator: Any) -> None:
@@ -151,8 +143,15 @@ def test_lightning_automatic_optimisation(tmp_path: Any) -> None:
 
     module = Module()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=3, gradient_clip_val=clip,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=3,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
     trainer.fit(module)
@@ -213,8 +212,10 @@ def test_container_finishes_once_per_step() -> None:
     """A container of two optimizers, attached: one window, one finish (a second would find M = 0 and raise)."""
     optimizer = pytest.importorskip("torchtitan.components.optimizer.optimizer")
     model = net()
-    groups = [optimizer.ParamGroupConfig(pattern=r"bias$", optimizer_name="Adam"),
-              optimizer.ParamGroupConfig(pattern=r".*", optimizer_name="AdamW")]
+    groups = [
+        optimizer.ParamGroupConfig(pattern=r"bias$", optimizer_name="Adam"),
+        optimizer.ParamGroupConfig(pattern=r".*", optimizer_name="AdamW"),
+    ]
     opts = optimizer.OptimizersContainer(
         optimizer.OptimizersContainer.Config(param_groups=groups, implementation="for-loop"), model_parts=[model]
     )
