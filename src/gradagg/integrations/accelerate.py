@@ -75,6 +75,12 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
         if acc.sync_gradients:
             self.finish()
 
+    def close(self) -> None:
+        """As :meth:`MicrobatchAccumulator.close`; DDP broadcasts its buffers at each forward again."""
+        super().close()
+        _give_buffer_sync(self.state.ddp.ddp if self.state.ddp is not None else None, self._buffers)
+        self._buffers = []
+
 
 def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
     """Accelerate's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
@@ -86,6 +92,11 @@ def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
         return []
     model.forward_sync_buffers = False
     return list(model.module.buffers())
+
+
+def _give_buffer_sync(model: torch.nn.parallel.DistributedDataParallel | None, buffers: list[torch.Tensor]) -> None:
+    if buffers and model is not None:
+        model.forward_sync_buffers = True
 
 
 def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
@@ -130,7 +141,7 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
             "AcceleratedOptimizer that accelerator.prepare returned"
         )
     acc = AcceleratedAccumulator(accelerator, model, **options)
-    inner.register_step_pre_hook(_finish_open_window(acc))
+    acc.state.extra_hooks.append(inner.register_step_pre_hook(_finish_open_window(acc)))  # removed by close()
     return acc
 
 

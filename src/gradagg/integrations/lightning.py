@@ -126,7 +126,11 @@ class ExactAccumulation(Callback):
     def _end(self, pl_module: LightningModule) -> None:
         pl_module.__dict__.pop("training_step", None)
         if self._acc is not None:
+            ddp = self._acc.state.ddp
             self._acc.close()
+            if ddp is not None and self._buffers:
+                ddp.ddp.forward_sync_buffers = True  # DDP broadcasts its buffers at each forward again
+        self._acc, self._buffers = None, []
 
 
 def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
