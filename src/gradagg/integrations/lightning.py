@@ -15,7 +15,8 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
 
 * ``on_before_backward`` opens the accumulator's microbatch and undoes Lightning's division at the root of the
   backward (a hook on the loss multiplies its gradient by ``accumulate_grad_batches``: ``k / k`` is exactly 1);
-  ``on_after_backward`` closes it.
+  ``on_after_backward`` closes it. The window's last microbatch is marked by Lightning's own rule (``k`` batches,
+  or the epoch's last), so its backward already sends the complete gradient buckets (DDP's overlap).
 * ``on_before_optimizer_step`` (after the closure that runs the window's last backward, before Lightning
   clips) calls ``finish()``: one collective per gradient bucket, the weights counted on all ranks.
 * the weight comes from the dict ``training_step`` returns (read by a thin wrapper around it, installed
@@ -97,7 +98,7 @@ class ExactAccumulation(Callback):
                 f"ExactAccumulation: batch {self._batch_idx} has no weight: return "
                 '{"loss": summed_loss, "weight": n} from training_step, or pass ExactAccumulation(weight=fn)'
             )
-        self._open = acc.microbatch(weight=weight)
+        self._open = acc.microbatch(weight=weight, last=_steps_after(trainer, self._batch_idx))
         self._open.__enter__()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -142,6 +143,14 @@ def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
     if len(trainer.optimizers) != 1:
         raise GradaggError(f"ExactAccumulation supports one optimizer; configure_optimizers gave "
                            f"{len(trainer.optimizers)}")
+
+
+def _steps_after(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether Lightning steps after this batch (its own rule: k batches accumulated, or the epoch's last batch),
+    so that the accumulator sends complete buckets during this backward (DDP's overlap). Where the epoch's length
+    is unknown (an iterable dataset) the last window is not marked: ``finish()`` then sends every bucket."""
+    done = batch_idx + 1
+    return done % trainer.accumulate_grad_batches == 0 or done == trainer.num_training_batches
 
 
 def _wrap_training_step(pl_module: LightningModule, take: Callable[[Any], None]) -> None:
