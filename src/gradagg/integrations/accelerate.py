@@ -121,7 +121,8 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
-            processes, FSDP2-sharded under its FSDP2 plugin).
+            processes; FSDP2-sharded under its FSDP2 plugin, untested here: on a CPU machine Accelerate gives
+            DDP instead).
         optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned.
         **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
 
