@@ -21,8 +21,8 @@ What it changes, and why:
   too; the accumulator divides once, by the weights counted on all ranks.
 * **the window**: it closes (``finish()``, one collective per bucket) at the end of the microbatch during which
   ``accelerator.sync_gradients`` is set, the step Accelerate's own counter or the end of its prepared dataloader
-  chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The inner optimizer's
-  step finishes a window still open first (a loop that steps without Accelerate's sync).
+  chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The optimizer is
+  attached (``acc.attach``): a step over a window still held finishes it first.
 * one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
   the microbatch would count with the divisor set to 1, and is refused.
 
@@ -142,7 +142,7 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
             "AcceleratedOptimizer that accelerator.prepare returned"
         )
     acc = AcceleratedAccumulator(accelerator, model, **options)
-    acc.state.extra_hooks.append(inner.register_step_pre_hook(_finish_open_window(acc)))  # removed by close()
+    acc.attach(optimizer)  # a step over a window still held finishes it first (removed by close())
     return acc
 
 
@@ -157,14 +157,6 @@ def _check_accelerator(accelerator: Any) -> None:
             f"exact(accelerator, ...): WORLD_SIZE is {world} but the Accelerator runs one process (no process "
             "group): each rank would train alone. On a CPU machine construct it with Accelerator(cpu=True)"
         )
-
-
-def _finish_open_window(acc: MicrobatchAccumulator) -> Any:
-    def finish_first(_opt: object, _args: object, _kwargs: object) -> None:
-        if acc.state.window.open:
-            acc.finish()
-
-    return finish_first
 
 
 __all__ = ["AcceleratedAccumulator", "exact"]

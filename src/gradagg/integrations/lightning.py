@@ -78,6 +78,9 @@ class ExactAccumulation(Callback):
             raise GradaggError(f"ExactAccumulation: {type(trainer.strategy).__name__} has no model at fit start")
         self._buffers = _take_buffer_sync(model)
         self._acc = MicrobatchAccumulator(model, **self._options)
+        # attached, so that the step (its closure runs the window's last backward) is known to finish the window;
+        # on_before_optimizer_step finishes it already, inside that closure and before Lightning clips
+        self._acc.attach(trainer.optimizers[0])
         if self._weight_fn is None:
             _wrap_training_step(pl_module, self._take_output)
 
