@@ -76,7 +76,7 @@ def main() -> None:
                 want = truth(start, gathered(consumed))
                 err = max(float((p.grad - w).abs().max()) for p, w in zip(plain.parameters(), want, strict=True))
                 print(f"rank {accelerator.process_index}: step of {acc.ledger.microbatches_global} microbatches, "
-                      f"D = {acc.ledger.divisor:g} tokens, max error vs the full batch {err:.1e}")
+                      f"D = {acc.ledger.divisor:g} tokens, max error vs the full batch {err:.1e}", flush=True)
                 assert err < TOLERANCE, err
                 start, consumed = None, []
             optimizer.step()

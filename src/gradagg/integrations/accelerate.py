@@ -21,8 +21,8 @@ What it changes, and why:
   too; the accumulator divides once, by the weights counted on all ranks.
 * **the window**: it closes (``finish()``, one collective per bucket) at the end of the microbatch during which
   ``accelerator.sync_gradients`` is set, the step Accelerate's own counter or the end of its prepared dataloader
-  chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The inner optimizer's
-  step finishes a window still open first (a loop that steps without Accelerate's sync).
+  chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The optimizer is
+  attached (``acc.attach``): a step over a window still held finishes it first.
 * one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
   the microbatch would count with the divisor set to 1, and is refused.
 
@@ -75,6 +75,12 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
         if acc.sync_gradients:
             self.finish()
 
+    def close(self) -> None:
+        """As :meth:`MicrobatchAccumulator.close`; DDP broadcasts its buffers at each forward again."""
+        super().close()
+        _give_buffer_sync(self.state.ddp.ddp if self.state.ddp is not None else None, self._buffers)
+        self._buffers = []
+
 
 def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
     """Accelerate's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
@@ -86,6 +92,11 @@ def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
         return []
     model.forward_sync_buffers = False
     return list(model.module.buffers())
+
+
+def _give_buffer_sync(model: torch.nn.parallel.DistributedDataParallel | None, buffers: list[torch.Tensor]) -> None:
+    if buffers and model is not None:
+        model.forward_sync_buffers = True
 
 
 def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
@@ -110,7 +121,8 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
-            processes, FSDP2-sharded under its FSDP2 plugin).
+            processes; FSDP2-sharded under its FSDP2 plugin, untested here: on a CPU machine Accelerate gives
+            DDP instead).
         optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned.
         **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
 
@@ -130,7 +142,7 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
             "AcceleratedOptimizer that accelerator.prepare returned"
         )
     acc = AcceleratedAccumulator(accelerator, model, **options)
-    inner.register_step_pre_hook(_finish_open_window(acc))
+    acc.attach(optimizer)  # a step over a window still held finishes it first (removed by close())
     return acc
 
 
@@ -145,14 +157,6 @@ def _check_accelerator(accelerator: Any) -> None:
             f"exact(accelerator, ...): WORLD_SIZE is {world} but the Accelerator runs one process (no process "
             "group): each rank would train alone. On a CPU machine construct it with Accelerator(cpu=True)"
         )
-
-
-def _finish_open_window(acc: MicrobatchAccumulator) -> Any:
-    def finish_first(_opt: object, _args: object, _kwargs: object) -> None:
-        if acc.state.window.open:
-            acc.finish()
-
-    return finish_first
 
 
 __all__ = ["AcceleratedAccumulator", "exact"]

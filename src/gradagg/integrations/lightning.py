@@ -15,7 +15,8 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
 
 * ``on_before_backward`` opens the accumulator's microbatch and undoes Lightning's division at the root of the
   backward (a hook on the loss multiplies its gradient by ``accumulate_grad_batches``: ``k / k`` is exactly 1);
-  ``on_after_backward`` closes it.
+  ``on_after_backward`` closes it. The window's last microbatch is marked by Lightning's own rule (``k`` batches,
+  or the epoch's last), so its backward already sends the complete gradient buckets (DDP's overlap).
 * ``on_before_optimizer_step`` (after the closure that runs the window's last backward, before Lightning
   clips) calls ``finish()``: one collective per gradient bucket, the weights counted on all ranks.
 * the weight comes from the dict ``training_step`` returns (read by a thin wrapper around it, installed
@@ -77,6 +78,9 @@ class ExactAccumulation(Callback):
             raise GradaggError(f"ExactAccumulation: {type(trainer.strategy).__name__} has no model at fit start")
         self._buffers = _take_buffer_sync(model)
         self._acc = MicrobatchAccumulator(model, **self._options)
+        # attached, so that the step (its closure runs the window's last backward) is known to finish the window;
+        # on_before_optimizer_step finishes it already, inside that closure and before Lightning clips
+        self._acc.attach(trainer.optimizers[0])
         if self._weight_fn is None:
             _wrap_training_step(pl_module, self._take_output)
 
@@ -97,7 +101,7 @@ class ExactAccumulation(Callback):
                 f"ExactAccumulation: batch {self._batch_idx} has no weight: return "
                 '{"loss": summed_loss, "weight": n} from training_step, or pass ExactAccumulation(weight=fn)'
             )
-        self._open = acc.microbatch(weight=weight)
+        self._open = acc.microbatch(weight=weight, last=_steps_after(trainer, self._batch_idx))
         self._open.__enter__()
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -126,7 +130,11 @@ class ExactAccumulation(Callback):
     def _end(self, pl_module: LightningModule) -> None:
         pl_module.__dict__.pop("training_step", None)
         if self._acc is not None:
+            ddp = self._acc.state.ddp
             self._acc.close()
+            if ddp is not None and self._buffers:
+                ddp.ddp.forward_sync_buffers = True  # DDP broadcasts its buffers at each forward again
+        self._acc, self._buffers = None, []
 
 
 def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -138,6 +146,14 @@ def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
     if len(trainer.optimizers) != 1:
         raise GradaggError(f"ExactAccumulation supports one optimizer; configure_optimizers gave "
                            f"{len(trainer.optimizers)}")
+
+
+def _steps_after(trainer: Trainer, batch_idx: int) -> bool:
+    """Whether Lightning steps after this batch (its own rule: k batches accumulated, or the epoch's last batch),
+    so that the accumulator sends complete buckets during this backward (DDP's overlap). Where the epoch's length
+    is unknown (an iterable dataset) the last window is not marked: ``finish()`` then sends every bucket."""
+    done = batch_idx + 1
+    return done % trainer.accumulate_grad_batches == 0 or done == trainer.num_training_batches
 
 
 def _wrap_training_step(pl_module: LightningModule, take: Callable[[Any], None]) -> None:

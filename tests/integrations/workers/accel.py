@@ -63,6 +63,10 @@ def _case(loop: str, clip: float | None) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
     result = st.step_errors(rec, clip)
+    if acc is not None:  # exact() holds DDP's buffer broadcast (it broadcasts per window); close() gives it back
+        result["sync_during"] = model.forward_sync_buffers
+        acc.close()
+        result["sync_after"] = model.forward_sync_buffers
     result["model"] = type(model).__name__
     result["distributed_type"] = str(accelerator.distributed_type)
     return result
