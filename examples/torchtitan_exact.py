@@ -14,6 +14,8 @@ Data parallelism only (FSDP2 or HSDP, either SPMD DTensor backend, activation ch
 
 Run it as torchtitan's own ``train.py`` is run, e.g.
     torchrun --nproc-per-node 8 examples/torchtitan_exact.py --module llama3 --config llama3_debugmodel
+on torchtitan's GPU stack (its models import triton). tests/integrations/test_torchtitan.py runs
+:func:`exact_train_step` on CPU gloo ranks, with the shims of tests/integrations/workers/titan_model.py.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ def exact_world(configs: list[tuple[str, bool, bool, bool]]) -> dict[str, Any]:
             try:
                 seqs = plan(windows)
                 tr = trainer(backend, ac, set_to_none=set_to_none, chunked=chunked)
-                run = run_steps(tr, rank_batches(seqs, rank), partial(ex.exact_train_step, tr))
+                # ExactTrainer's train_step on the CPU trainer (a plain function reading torchtitan's attributes).
+                run = run_steps(tr, rank_batches(seqs, rank), partial(ex.ExactTrainer.train_step, tr))
                 runs[name] = {"steps": compare(run, seqs) if not rank else None, "ended": run["ended"]}
             except Exception as exc:  # the case's result: the test reports it
                 runs[name] = {"raised": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-3000:]}
