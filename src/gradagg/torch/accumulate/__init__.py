@@ -25,8 +25,9 @@ private attributes); each imports only those listed before it:
 * :mod:`.ledger` (the report and the weighting codes), :mod:`.window` (one window's counters and buffers),
   :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
   :mod:`.ddp` and :mod:`.fsdp` (the wrappers' own synchronisation held off);
-* :mod:`.state` (the one object), :mod:`.shards` (FSDP2's every_microbatch sums), :mod:`.hooks` (gradients
-  into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens),
+* :mod:`.state` (the one object), :mod:`.shards` (FSDP2's shards-form sums), :mod:`.hooks` (gradients
+  into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens;
+  the hooks installed), :mod:`.padding` (the shards form's rounds: uneven counts, a short rank pads),
   :mod:`.terms` (divisors counted ahead), :mod:`.finish` (a window closes), :mod:`.attaching` (finishing
   from an optimizer's step);
 * :mod:`.accumulator`: the public class, a thin shell over the state.

@@ -108,8 +108,8 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
 def share_inputs(state: State, rnd: Round) -> None:
     """The round's exchange of forward inputs, for a rank that has none to replay (every rank calls it once).
 
-    An ``all_gather_object`` in which only the source sends its inputs (the others send None): the one object
-    collective gradagg issues, and it runs at most once per accumulator and rank that needs it, as a rule.
+    An ``all_gather_object`` in which only the source sends its inputs (the others send None; collectives.py
+    has no broadcast of objects): as a rule once per accumulator, when a rank first pads before any forward.
     """
     if rnd.source < 0 or rnd.shared:
         return
