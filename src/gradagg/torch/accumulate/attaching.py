@@ -1,33 +1,143 @@
-"""``attach``: finish the window from the optimizer's step, for loops a framework owns."""
+"""``attach``: finish the window from the optimizer's step, for loops a framework owns.
+
+Frameworks hand out wrappers, not torch optimizers: Accelerate's ``AcceleratedOptimizer`` (also HF Trainer's
+``trainer.optimizer``) and Lightning's ``LightningOptimizer`` keep the torch optimizer in their public
+``optimizer`` attribute and never call ``Optimizer.__init__`` (so they have no step hooks of their own);
+torchtitan's ``OptimizersContainer`` keeps several in its public ``optimizers`` list. ``attach`` follows those
+two attributes down to the torch optimizers whose ``step`` touches the gradients and registers a step
+pre-hook on each (public ``Optimizer.register_step_pre_hook``). An object that is neither a known wrapper nor
+has step hooks gets its ``step`` replaced on the instance (the tested fallback).
+
+The pre-hook finishes only a window still held for that optimizer (:func:`gradagg.torch.guard.held_for`):
+a clip before the step may have finished it already, and a container's second optimizer must not finish
+again. A step called with a closure (Lightning's automatic optimisation runs the last microbatch's forward
+and backward inside it, after the pre-hooks) gets the closure wrapped instead: the window finishes when the
+closure returns, i.e. after its backward and before the update.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from gradagg.torch import guard
 from gradagg.torch.accumulate.state import State
 
+Finish = Callable[[], object]
 
-def attach(state: State, optimizer: torch.optim.Optimizer, finish: Callable[[], object]) -> Any:
-    """Run ``finish`` from ``optimizer``'s step pre-hook; clip after the step's pre-hooks (or not at all).
+
+class Attachment:
+    """What ``attach`` hooked; ``remove()`` undoes it (``close()`` does too)."""
+
+    def __init__(self, state: State, objects: list[Any]) -> None:
+        self.state, self.objects = state, objects
+        self.handles: list[Any] = []
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        guard.detach_optimizers(self.state, self.objects)
+
+
+def attach(state: State, optimizer: Any, finish: Finish) -> Attachment:
+    """Run ``finish`` before ``optimizer`` updates (after its closure's backward, for a step with a closure).
 
     Args:
         state: the accumulator (the handle is kept in ``state.extra_hooks``, removed on close).
-        optimizer: any ``torch.optim.Optimizer``.
+        optimizer: a torch optimizer, or a wrapper of one or several (Accelerate, Lightning, torchtitan).
         finish: the accumulator's ``finish``.
 
     Returns:
-        The hook's handle.
+        The handle (``.remove()`` detaches).
     """
+    wrappers, leaves = _unwrap(optimizer)
+    attachment = Attachment(state, [*wrappers, *leaves])
+    for obj in wrappers:
+        guard.attach_optimizer(state, obj, finish, leaf=False)
+    for leaf in leaves:
+        guard.attach_optimizer(state, leaf, finish, leaf=True)
+        attachment.handles.append(_hook(state, leaf, finish))
+    state.extra_hooks.append(attachment)
+    return attachment
 
-    def finish_first(_opt: object, _args: object, _kwargs: object) -> None:
+
+def _unwrap(optimizer: Any) -> tuple[list[Any], list[Any]]:
+    """(the wrappers passed through, the optimizers at the bottom), following ``optimizers`` and ``optimizer``."""
+    many = getattr(optimizer, "optimizers", None)  # torchtitan's OptimizersContainer
+    if isinstance(many, list | tuple) and many and all(_is_optimizer(o) for o in many):
+        parts = [_unwrap(o) for o in many]
+        return [optimizer, *(w for p in parts for w in p[0])], [leaf for p in parts for leaf in p[1]]
+    inner = getattr(optimizer, "optimizer", None)  # Accelerate's and Lightning's wrappers
+    if inner is not None and inner is not optimizer and _is_optimizer(inner):
+        wrappers, leaves = _unwrap(inner)
+        return [optimizer, *wrappers], leaves
+    return [], [optimizer]
+
+
+def _is_optimizer(obj: object) -> bool:
+    return callable(getattr(obj, "step", None)) and hasattr(obj, "param_groups")
+
+
+def _hook(state: State, leaf: Any, finish: Finish) -> Any:
+    def finish_first(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _before_step(state, opt, finish, args, kwargs, at=1)  # a step hook's args start with the optimizer
+
+    try:
+        return leaf.register_step_pre_hook(finish_first)
+    except AttributeError:
+        # an Optimizer subclass that skipped Optimizer.__init__ (no hook registry) and wraps nothing we know
+        return _StepReplaced(state, leaf, finish)
+
+
+def _before_step(
+    state: State, opt: Any, finish: Finish, args: tuple[Any, ...], kwargs: dict[str, Any], *, at: int
+) -> Any:
+    """Finish now, or (a step with a closure, positional at ``at``) when the closure returns; None: unchanged."""
+    if not guard.held_for(state, opt):
+        return None  # finished already: by a clip, or by another optimizer of the same container
+    closure = kwargs.get("closure", args[at] if len(args) > at else None)
+    if closure is None:
         finish()
+        return None
 
-    handle = optimizer.register_step_pre_hook(finish_first)
-    state.extra_hooks.append(handle)
-    return handle
+    def closure_then_finish() -> Any:
+        out = closure()
+        if guard.held_for(state, opt):  # a clip inside the closure (Lightning's) may have finished it
+            finish()
+        return out
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_finish}
+    return (*args[:at], closure_then_finish, *args[at + 1 :]), kwargs
 
 
-__all__ = ["attach"]
+class _StepReplaced:
+    """The fallback: ``leaf.step`` replaced on the instance by one that finishes first; ``remove()`` restores."""
+
+    def __init__(self, state: State, leaf: Any, finish: Finish) -> None:
+        self.leaf, had = leaf, "step" in vars(leaf)
+        self.previous = vars(leaf).get("step")
+        original = leaf.step
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            changed = _before_step(state, leaf, finish, args, kwargs, at=0)
+            if changed is not None:
+                args, kwargs = changed
+            out = original(*args, **kwargs)
+            guard.note_step(leaf)  # no global post-hook runs for an object without step hooks
+            return out
+
+        leaf.step = step
+        self.had = had
+
+    def remove(self) -> None:
+        if self.had:
+            self.leaf.step = self.previous
+        else:
+            vars(self.leaf).pop("step", None)
+
+
+__all__ = ["Attachment", "attach"]

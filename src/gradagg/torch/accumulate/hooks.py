@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from gradagg.torch import guard
 from gradagg.torch.accumulate import shards
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import HAND_SET, LATE, OUTSIDE, UNSUPPORTED
@@ -22,7 +23,9 @@ OnGrad = Callable[[State, int, torch.Tensor], None]
 
 
 def install(state: State) -> None:
-    """Hook every parameter (under FSDP2: the sharded ones only in every_microbatch form, see :mod:`.fsdp`)."""
+    """Hook every parameter (under FSDP2: the sharded ones only in every_microbatch form, see :mod:`.fsdp`);
+    register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
+    state.extra_hooks.append(guard.register(state))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:
             hook(state, t, i, on_grad)
