@@ -29,8 +29,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from gradagg.errors import GradaggError
-from gradagg.torch import MicrobatchAccumulator
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch import Ledger, MicrobatchAccumulator
 
 Microbatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -86,7 +86,8 @@ def exact_train_step(trainer: Trainer, data_iterator: Iterator[Microbatch]) -> t
         The gradient's norm before clipping (what torchtitan logs as ``grad_norm``).
 
     Raises:
-        DataloaderExhaustedError: the previous window ended with the data (torchtitan then ends training).
+        DataloaderExhaustedError: the previous window ended with the data, or this one found none on any rank
+            (torchtitan then ends training).
     """
     if getattr(trainer, "gradagg_data_ended", False):
         raise DataloaderExhaustedError()
@@ -101,7 +102,7 @@ def exact_train_step(trainer: Trainer, data_iterator: Iterator[Microbatch]) -> t
             trainer.gradagg_last_microbatch = (inputs, labels)  # type: ignore[attr-defined]
             loss = trainer.forward_backward_step(input_dict=inputs, labels=labels, global_valid_tokens=_one(trainer))
         loss_sum += _local(loss.detach()).double()
-    ledger = acc.finish()  # every .grad: the sum over the window's microbatches on all ranks / their token count
+    ledger = _finish(acc)  # every .grad: the sum over the window's microbatches on all ranks / their token count
     grad_norm: torch.Tensor = dist_utils.clip_grad_norm_(
         [p for m in trainer.model_parts for p in m.parameters()], trainer.config.training.max_norm, foreach=True,
         pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"), ep_enabled=trainer.parallel_dims.ep_enabled)
@@ -113,6 +114,18 @@ def exact_train_step(trainer: Trainer, data_iterator: Iterator[Microbatch]) -> t
     trainer.gradagg_data_ended = short  # type: ignore[attr-defined]
     _log(trainer, loss_sum, ledger.weight_local or 0.0, float(ledger.divisor or 1.0), grad_norm)
     return grad_norm
+
+
+def _finish(acc: MicrobatchAccumulator) -> Ledger:
+    """``acc.finish()``; a window in which no rank had data left is the data's end, as in torchtitan."""
+    ran_none = acc.ledger.microbatches_local == 0
+    try:
+        return acc.finish()
+    except WindowError as exc:
+        # M = 0 is known on every rank from the same collective, so every rank ends here together.
+        if ran_none and "(M = 0)" in str(exc):
+            raise DataloaderExhaustedError() from None
+        raise
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:

@@ -146,3 +146,10 @@ def test_clip_before_an_attached_finish_is_right_or_refused(today: dict[str, dic
         assert "clip" in result["refused"], result
     else:
         _exact_case(today, "attach and clip")
+
+
+def test_example_ends_training_when_the_data_ends_with_a_full_window(runs: list[dict[str, Any]]) -> None:
+    """Two full windows and no data left: both exact, and the third step raises DataloaderExhaustedError on every
+    rank (torchtitan's own signal to end training), not gradagg's M = 0."""
+    _check_steps(_exact(runs, KEYS[0], "exact boundary")["steps"], 2)
+    assert [r[KEYS[0]]["exact boundary"]["ended"] for r in runs] == [2, 2]

@@ -186,6 +186,7 @@ def compare(run: dict[str, Any], seqs: Any) -> list[dict[str, float]]:
 
 WINDOWS_EVEN = [[3, 3], [3, 3], [2, 2]]  # the last window short on both ranks
 WINDOWS_UNEVEN = [[3, 3], [3, 3], [2, 1]]  # ... and the data ending unevenly: rank 1 has one microbatch fewer
+WINDOWS_BOUNDARY = [[3, 3], [3, 3]]  # the data ends with the second window: the third finds none on any rank
 
 
 def exact_world(configs: list[tuple[str, bool, bool, bool]]) -> dict[str, Any]:
@@ -202,7 +203,10 @@ def exact_world(configs: list[tuple[str, bool, bool, bool]]) -> dict[str, Any]:
         # torchtitan's own step needs each window's size ahead (it would drop the short one): given per step.
         own = run_steps(tr, rank_batches(seqs, rank), tr.train_step, sizes=[3, 3, 2])
         runs["own"] = compare(own, seqs) if not rank else None
-        for name, windows in (("exact", WINDOWS_EVEN), ("exact uneven", WINDOWS_UNEVEN)):
+        cases = [("exact", WINDOWS_EVEN), ("exact uneven", WINDOWS_UNEVEN)]
+        if not out:  # the first config also ends its data exactly at a window's end (a full window, then none)
+            cases.append(("exact boundary", WINDOWS_BOUNDARY))
+        for name, windows in cases:
             try:
                 seqs = plan(windows)
                 tr = trainer(backend, ac, set_to_none=set_to_none, chunked=chunked)
