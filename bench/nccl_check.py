@@ -3,11 +3,17 @@
 Run: ``.venv/bin/python bench/nccl_check.py`` on a machine with CUDA (``--gloo``: the same checks on 4
 CPU gloo ranks, to try the script without a GPU). One rank per GPU, up to 4:
 with 2 or more GPUs the ranks run uneven microbatch counts (one rank none) with token weights, under a
-plain module, DDP and FSDP2 (window and every-microbatch forms); with 4, HSDP on a (2, 2) mesh as well.
+plain module, DDP and FSDP2 (the default shards form, gradagg padding the short ranks; the window form; the
+every-microbatch name with padding by hand); with 4, HSDP on a (2, 2) mesh as well.
 With one GPU, a one-rank NCCL world runs the same code paths (buffers and DTensors on the device, no
 cross-rank traffic). Each check compares with one forward/backward of the whole batch in float64 on the
 CPU; the tolerance is 1e-10 (float64 sums in another order, on another device's kernels). Exit status: 0
 when every check passes or when there is no CUDA device (the reason is printed), 1 otherwise.
+
+``--memory`` (with 2 or more GPUs, or ``--gloo``) then runs bench/bench_fsdp.py's cases on the device: FSDP2's
+two recipes, gradagg's shards and window forms, even and uneven (1, 4, 0, 3) counts, and prints each form's
+``torch.cuda.max_memory_allocated`` (the step's peak, per rank) and median step time, with ratios to the
+shards-only recipe (targets: 1.15x memory, 1.10x time). ``--quick`` shrinks that model for a smoke run.
 """
 
 from __future__ import annotations
@@ -100,15 +106,94 @@ def checks() -> dict[str, float]:
     mesh = init_device_mesh(device.type, (world,))
     fsdp = _fsdp(mesh, device)
     _run(fsdp, MicrobatchAccumulator(fsdp), mine, device)
-    out["FSDP2 window, uneven, weights"] = _error(fsdp, want)
+    out["FSDP2 shards (default), uneven, gradagg pads"] = _error(fsdp, want)
+    window = _fsdp(mesh, device)
+    _run(window, MicrobatchAccumulator(window, fsdp="window"), mine, device)
+    out["FSDP2 window, uneven, weights"] = _error(window, want)
     every = _fsdp(mesh, device)
     _run(every, MicrobatchAccumulator(every, fsdp="every_microbatch"), mine, device, pad=max(counts) - len(mine))
     out["FSDP2 every_microbatch, zero-weight padding"] = _error(every, want)
     if world == 4:
         hsdp = _fsdp(init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard")), device)
         _run(hsdp, MicrobatchAccumulator(hsdp), mine, device)
-        out["HSDP (2 x 2), uneven, weights"] = _error(hsdp, want)
+        out["HSDP (2 x 2) shards, uneven, gradagg pads"] = _error(hsdp, want)
+        hsdp = _fsdp(init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard")), device)
+        _run(hsdp, MicrobatchAccumulator(hsdp, fsdp="window"), mine, device)
+        out["HSDP (2 x 2) window, uneven, weights"] = _error(hsdp, want)
     return out
+
+
+def memory_world(form: str, quick: bool) -> dict[str, Any]:
+    """bench/bench_fsdp.py's step in ``form`` on this rank's device: the peak allocated bytes and step times."""
+    import time
+
+    import bench_fsdp as bf  # bench/, beside this script (sys.path[0] when run as a script)
+
+    size = bf.QUICK if quick else bf.Size()
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model = _device_transformer(size, device)
+    world = dist.get_world_size()
+    counts = bf.UNEVEN[:world] if "counts" in form else [bf.M] * world
+    mine = [t.to(device) for t in bf.batches(size, counts[dist.get_rank()])]
+    acc = MicrobatchAccumulator(model, fsdp="window" if "window" in form else "shards") if "gradagg" in form else None
+    times, peak = [], 0
+    for step in range(1 + size.steps):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        dist.barrier()
+        start = time.perf_counter()
+        if acc is None:
+            bf.fsdp_step(model, mine, sync_off="sync off" in form)
+        else:
+            bf.gradagg_step(model, acc, mine)
+        if cuda:
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated())
+        dist.barrier()
+        if step:
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return {"times": times, "peak": peak}
+
+
+def _device_transformer(size: Any, device: torch.device) -> nn.Module:
+    """bench_fsdp's transformer, fully_shard per block and root, materialised as shards on ``device``."""
+    import bench_fsdp as bf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    with torch.device("meta"):
+        model = bf.Transformer(size)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)  # a DTensor op: each rank fills its shard
+    return model
+
+
+def memory_table(backend: str, world: int, quick: bool) -> str:
+    """Each form of bench/bench_fsdp.py on ``world`` ranks: peak allocated MiB (largest rank), median step time."""
+    import statistics
+
+    import bench_fsdp as bf
+
+    rows = []
+    for form in bf.FORMS:
+        ranks = run_local_world(memory_world, world, form, quick, backend=backend, collective_timeout_s=120.0,
+                                timeout_s=1200.0)
+        rows.append((form, max(r["peak"] for r in ranks) / 2**20, statistics.median(ranks[0]["times"])))
+    base_peak, base_t = next((p, t) for f, p, t in rows if f == bf.BASELINE)
+    lines = [f"memory and time, {world} {backend} ranks (torch.cuda.max_memory_allocated; 0 on CPU)"]
+    for form, peak, t in rows:
+        ratio = f" ({peak / base_peak:.2f}x)" if base_peak else ""
+        lines.append(f"  {form:<40} peak {peak:8.1f} MiB{ratio}  step {t:.3f} s ({t / base_t:.2f}x)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -129,6 +214,8 @@ def main(argv: list[str]) -> int:
         ok = worst <= TOL
         failed |= not ok
         print(f"  {name:<48} max error {worst:.1e}  {'ok' if ok else 'FAILED'}")
+    if "--memory" in argv and world > 1:
+        print(memory_table(backend, world, "--quick" in argv))
     return 1 if failed else 0
 
 

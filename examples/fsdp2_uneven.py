@@ -4,9 +4,11 @@ Run:  python examples/fsdp2_uneven.py
  or:  torchrun --standalone --nproc-per-node 2 examples/fsdp2_uneven.py   (any number of ranks)
 Rank 0 runs no microbatch this window, rank 1 runs 3 (further ranks 2, 0, 1, 2, ...). FSDP's own reduce-
 scatter would run once per microbatch (a different number of times on each rank: it would hang) and
-divide by the world size; MicrobatchAccumulator(model) keeps the parameters unsharded over the window,
-sends nothing until finish(), then reduce-scatters once and divides by the counted D. The gradients are
-DTensor shards; the script compares their full tensors with one forward/backward of the whole batch.
+divide by the world size; MicrobatchAccumulator(model) (fsdp="shards", the default) keeps sharded
+gradients only: the ranks agree before each microbatch, rank 0 runs three padding microbatches (its
+gradients dropped, so FSDP's collectives pair up and it adds exactly zero), and finish() divides by the
+counted D. The gradients are DTensor shards; the script compares their full tensors with one
+forward/backward of the whole batch.
 """
 
 import os
@@ -54,7 +56,7 @@ def train_step(counts: list[int]) -> str:
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    acc = MicrobatchAccumulator(model)  # fsdp="window": any counts per rank
+    acc = MicrobatchAccumulator(model)  # fsdp="shards": sharded gradients only, any counts per rank
     batches = make_batches(sum(counts))
     for x, y, valid in acc.microbatches(batches[sum(counts[:rank]) : sum(counts[: rank + 1])]):
         with acc.microbatch(weight=int(valid.sum())):

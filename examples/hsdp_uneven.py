@@ -2,9 +2,10 @@
 
 Run:  python examples/hsdp_uneven.py
  or:  torchrun --standalone --nproc-per-node 4 examples/hsdp_uneven.py
-Ranks run 2, 0, 1 and 3 microbatches. The divisor D (here: the valid tokens) is summed over both mesh
-dimensions in the window's collective; the gradients are reduce-scattered over the shard dimension and
-all-reduced over the replicas once, at the window's end.
+Ranks run 2, 0, 1 and 3 microbatches; in the default (shards) form every rank runs 3 rounds, padding the
+ones it has no microbatch for. FSDP reduce-scatters each round over the shard dimension and all-reduces over
+the replicas in the last round only (acc.microbatches() tells every rank which it is); the divisor D (here:
+the valid tokens) is counted over both mesh dimensions in finish()'s collective.
 """
 
 import os
@@ -45,7 +46,8 @@ def train_step(counts: list[int]) -> str:
     if error > TOLERANCE:
         raise SystemExit(f"rank {rank}: gradagg missed the full-batch gradient by {error:.1e}")
     seen = list(ledger.microbatches_per_rank or ())
-    return f"D = {ledger.divisor:g} over counts {seen}; sent {dict(sent.by_op)}; max error {error:.1e}"
+    padded = acc.state.padded_last
+    return f"D = {ledger.divisor:g} over counts {seen}, {padded} padded; sent {dict(sent.by_op)}; max error {error:.1e}"
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def test_fsdp2_example_as_a_script() -> None:
 
 
 def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
-    """bench/nccl_check.py: a stated skip (exit 0) without CUDA; with --gloo its five checks pass on 4 CPU ranks."""
+    """bench/nccl_check.py: a stated skip (exit 0) without CUDA; with --gloo its seven checks pass on 4 CPU ranks."""
     import torch
 
     if not torch.cuda.is_available():
@@ -57,7 +57,7 @@ def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
                           cwd=ROOT, env=LOOPBACK, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     checks = re.findall(r"max error ([0-9.e+-]+)\s+ok$", done.stdout, re.M)
-    assert len(checks) == 5 and all(float(e) <= 1e-10 for e in checks), done.stdout
+    assert len(checks) == 7 and all(float(e) <= 1e-10 for e in checks), done.stdout
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")

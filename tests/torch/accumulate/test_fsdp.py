@@ -165,7 +165,7 @@ def test_dtensor_outside_fully_shard_refused_on_every_rank(
         assert "'gain'" in message and "(Shard(dim=0),)" in message and "fully_shard" in message, message
 
 
-@pytest.mark.parametrize("mode", ["window", "every_microbatch"])
+@pytest.mark.parametrize("mode", ["shards", "window", "every_microbatch"])
 def test_plain_parameter_replaced_after_construction_refused_on_every_rank(
     outside: list[dict[tuple[str, str, str], Any]], mode: str
 ) -> None:

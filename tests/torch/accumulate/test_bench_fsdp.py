@@ -1,0 +1,38 @@
+"""Smoke runs of the FSDP2 benchmark (bench/bench_fsdp.py) and of its GPU twin in bench/nccl_check.py.
+
+Not timed tests: they check that the scripts run end to end on 4 gloo ranks with a small model and print a
+row per form (the figures are bench/RESULTS.md's, from a full run).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "GLOO_SOCKET_IFNAME": "lo"}
+FORMS = ["FSDP2 sync off until the last", "FSDP2 reduce-scatter every microbatch", "gradagg shards (default)",
+         "gradagg window", "gradagg shards, counts 1 4 0 3", "gradagg window, counts 1 4 0 3"]
+
+
+def test_bench_fsdp_quick_prints_every_form() -> None:
+    """--quick: one world per form; the shards-only recipe is the baseline (ratio 1.00); the uneven shards row
+    names the padding rounds of each rank, max(1, 4, 0, 3) - count: 3 0 4 1."""
+    done = subprocess.run([sys.executable, "bench/bench_fsdp.py", "--quick"], capture_output=True, text=True,
+                          cwd=ROOT, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([^|]+?) \|.*$", done.stdout, re.M)}
+    assert all(f in rows for f in FORMS), done.stdout
+    assert "| 1.00 |" in rows["FSDP2 reduce-scatter every microbatch"]
+    assert rows["gradagg shards, counts 1 4 0 3"].endswith("| 3 0 4 1 |"), rows
+
+
+def test_nccl_check_memory_cases_run_on_gloo() -> None:
+    """bench/nccl_check.py --gloo --memory --quick: the correctness checks, then a line per benchmark form."""
+    done = subprocess.run([sys.executable, "bench/nccl_check.py", "--gloo", "--memory", "--quick"],
+                          capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(re.search(rf"^  {re.escape(f)}\s+peak .* step ", done.stdout, re.M) for f in FORMS), done.stdout
