@@ -14,11 +14,14 @@ Data parallelism only (FSDP2 or HSDP, either SPMD DTensor backend, activation ch
 
 Run it as torchtitan's own ``train.py`` is run, e.g.
     torchrun --nproc-per-node 8 examples/torchtitan_exact.py --module llama3 --config llama3_debugmodel
+on torchtitan's GPU stack (its models import triton). tests/integrations/test_torchtitan.py runs
+:func:`exact_train_step` on CPU gloo ranks, with the shims of tests/integrations/workers/titan_model.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 from torchtitan.components.dataloader import DataloaderExhaustedError
@@ -26,8 +29,8 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from gradagg.errors import GradaggError
-from gradagg.torch import MicrobatchAccumulator
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch import Ledger, MicrobatchAccumulator
 
 Microbatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -40,9 +43,31 @@ def accumulator_for(trainer: Trainer) -> MicrobatchAccumulator:
         if dims.tp_enabled or dims.cp_enabled or dims.pp_enabled or dims.ep_enabled:
             raise GradaggError("torchtitan_exact: data parallelism only (FSDP2/HSDP); tensor, context, pipeline and "
                                "expert parallelism run one microbatch on several ranks, which would count it twice")
-        acc = MicrobatchAccumulator(trainer.model_parts[0])
+        acc = MicrobatchAccumulator(trainer.model_parts[0], pad=partial(pad, trainer))
         trainer.gradagg_accumulator = acc  # type: ignore[attr-defined]
     return acc
+
+
+def pad(trainer: Trainer) -> torch.Tensor:
+    """The padding microbatch of a rank whose data ran out while others still run one (FSDP2 needs every rank in
+    each round's collectives; gradagg drops its gradients): this rank's last microbatch through torchtitan's own
+    forward and loss. Not the default replay of the model's forward alone: torchtitan's ChunkedLossWrapper runs
+    ``lm_head`` inside the loss, so a forward alone would leave lm_head's FSDP collectives out and the ranks hang."""
+    last = getattr(trainer, "gradagg_last_microbatch", None)
+    if last is None:
+        raise GradaggError("torchtitan_exact: this rank ran out of data before its first microbatch, so it has no "
+                           "batch to pad with while the other ranks still run one; give every rank data")
+    input_dict, labels = last
+    seen = trainer.ntokens_seen  # post_dataloading_process counts the tokens: a padding batch is not seen
+    inputs, labels, extra = trainer.post_dataloading_process(dict(input_dict), labels)
+    trainer.ntokens_seen = seen
+    with trainer.train_context():
+        loss, _ = trainer.loss_fn(trainer.model_parts[0](inputs, **extra), labels, _one(trainer))
+    return loss  # type: ignore[no-any-return]
+
+
+def _one(trainer: Trainer) -> torch.Tensor:
+    return torch.ones((), dtype=torch.int64, device=trainer.device)  # a divisor of 1: the loss stays a sum
 
 
 def window(data_iterator: Iterator[Microbatch], size: int) -> Iterable[Microbatch]:
@@ -61,22 +86,23 @@ def exact_train_step(trainer: Trainer, data_iterator: Iterator[Microbatch]) -> t
         The gradient's norm before clipping (what torchtitan logs as ``grad_norm``).
 
     Raises:
-        DataloaderExhaustedError: the previous window ended with the data (torchtitan then ends training).
+        DataloaderExhaustedError: the previous window ended with the data, or this one found none on any rank
+            (torchtitan then ends training).
     """
     if getattr(trainer, "gradagg_data_ended", False):
         raise DataloaderExhaustedError()
     acc = accumulator_for(trainer)
     # torchtitan's own zero_grad: set_to_none=False while CUDA graphs are on (the gradients then stay allocated).
     trainer.optimizers.zero_grad(set_to_none=trainer.config.training.disable_cuda_graphs)
-    ones = torch.ones((), dtype=torch.int64, device=trainer.device)  # a divisor of 1: the loss stays a sum
     loss_sum = torch.zeros((), dtype=torch.float64, device=trainer.device)
     for input_dict, labels in acc.microbatches(window(data_iterator, trainer.gradient_accumulation_steps)):
         with acc.microbatch(weight=(labels != IGNORE_INDEX).sum()):
             inputs = {k: v.to(trainer.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
-            loss = trainer.forward_backward_step(input_dict=inputs, labels=labels.to(trainer.device),
-                                                 global_valid_tokens=ones)
+            labels = labels.to(trainer.device)
+            trainer.gradagg_last_microbatch = (inputs, labels)  # type: ignore[attr-defined]
+            loss = trainer.forward_backward_step(input_dict=inputs, labels=labels, global_valid_tokens=_one(trainer))
         loss_sum += _local(loss.detach()).double()
-    ledger = acc.finish()  # every .grad: the sum over the window's microbatches on all ranks / their token count
+    ledger = _finish(acc)  # every .grad: the sum over the window's microbatches on all ranks / their token count
     grad_norm: torch.Tensor = dist_utils.clip_grad_norm_(
         [p for m in trainer.model_parts for p in m.parameters()], trainer.config.training.max_norm, foreach=True,
         pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"), ep_enabled=trainer.parallel_dims.ep_enabled)
@@ -88,6 +114,18 @@ def exact_train_step(trainer: Trainer, data_iterator: Iterator[Microbatch]) -> t
     trainer.gradagg_data_ended = short  # type: ignore[attr-defined]
     _log(trainer, loss_sum, ledger.weight_local or 0.0, float(ledger.divisor or 1.0), grad_norm)
     return grad_norm
+
+
+def _finish(acc: MicrobatchAccumulator) -> Ledger:
+    """``acc.finish()``; a window in which no rank had data left is the data's end, as in torchtitan."""
+    ran_none = acc.ledger.microbatches_local == 0
+    try:
+        return acc.finish()
+    except WindowError as exc:
+        # M = 0 is known on every rank from the same collective, so every rank ends here together.
+        if ran_none and "(M = 0)" in str(exc):
+            raise DataloaderExhaustedError() from None
+        raise
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:
