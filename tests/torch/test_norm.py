@@ -136,3 +136,12 @@ def test_gradients_on_two_devices() -> None:
     a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0, 12.0], device="cuda")
     assert float(clip_grad_norm_([a, b], 6.5)) == pytest.approx(13.0, rel=1e-6)  # float32
     assert a.grad.tolist() == pytest.approx([1.5, 2.0], rel=1e-6) and b.grad.cpu().tolist() == pytest.approx([0, 6])
+
+
+def test_declared_copies_are_scaled_not_counted() -> None:
+    """A tied weight held as two tensors (two pipeline stages): the copy is not counted, but is clipped."""
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
+    assert float(grad_norm([a, b])) == pytest.approx(50 ** 0.5)  # undeclared: counted twice
+    assert float(clip_grad_norm_([a, b], 1.0, copies=[b])) == 5.0
+    assert a.grad.tolist() == b.grad.tolist() == pytest.approx([0.6, 0.8], rel=1e-6)

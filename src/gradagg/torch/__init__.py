@@ -6,6 +6,8 @@
   moves; per shard the sum of its owner's contributions only; one collective.
 * :func:`grad_norm` and :func:`clip_grad_norm_`: the global norm with each parameter counted once;
   one scalar collective.
+* :class:`PipelineAccumulator`: a ``torch.distributed.pipelining`` step made exact with a token divisor
+  counted once on the last stage; ties across stages summed, and counted once in its norm.
 * :func:`count_collectives`: count what the above send (tests, benchmarks).
 
 Every function takes ``group=None``: the default process group when one is initialised, and a
@@ -28,6 +30,7 @@ from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.collectives import CollectiveCount, count_collectives
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.ownership import Ownership, ShardSpec
+from gradagg.torch.pipeline import PipelineAccumulator, PipelineLedger
 from gradagg.torch.reduce import owner_reduce
 
 __all__ = [
@@ -35,6 +38,8 @@ __all__ = [
     "Ledger",
     "MicrobatchAccumulator",
     "Ownership",
+    "PipelineAccumulator",
+    "PipelineLedger",
     "ShardSpec",
     "clip_grad_norm_",
     "count_collectives",

@@ -52,7 +52,14 @@ Params = torch.Tensor | Iterable[torch.Tensor] | ShardMap[torch.Tensor] | Iterab
 _WIDE = (torch.float64, torch.complex128)  # a gradient of these makes the result float64
 
 
-def grad_norm(params: Params, *, ownership: Ownership | None = None, group: Group = None) -> torch.Tensor:
+def grad_norm(
+    params: Params,
+    *,
+    ownership: Ownership | None = None,
+    group: Group = None,
+    replica_group: Group = None,
+    copies: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """The global 2-norm of the gradients of ``params``, each parameter counted once.
 
     Args:
@@ -63,6 +70,11 @@ def grad_norm(params: Params, *, ownership: Ownership | None = None, group: Grou
             of its name); None: plain tensors are replicas counted by rank 0, DTensors by their placements.
         group: a process group, or None for the default one (no group: one process, no communication).
             It must contain every rank of every DTensor's mesh.
+        replica_group: the group in which a plain tensor is a data-parallel replica, counted by its rank 0
+            (None: ``group`` itself). Under pipeline parallelism each stage holds different tensors: pass the
+            stage's data-parallel group here and the whole world as ``group``. Unused with ``ownership``.
+        copies: tensors among ``params`` whose gradient is a copy of one counted on another rank (a weight tied
+            across pipeline stages, held by both): not counted here (``clip_grad_norm_`` still scales them).
 
     Returns:
         A 0-d float32 or float64 tensor (see the module docstring), the same bits on every rank (NaN or
@@ -80,13 +92,21 @@ def grad_norm(params: Params, *, ownership: Ownership | None = None, group: Grou
     >>> grad_norm([w, w])  # tied: counted once
     tensor(5.)
     """
-    return _global_norm(_pairs(params), ownership, group)
+    return _global_norm(_pairs(params), ownership, group, _Rule(replica_group, copies))
 
 
-def _global_norm(pairs: _Pairs, ownership: Ownership | None, group: Group) -> torch.Tensor:
+class _Rule:
+    """Which plain tensors this rank counts: rank 0 of ``replicas`` does, except for declared copies."""
+
+    def __init__(self, replicas: Group = None, copies: Iterable[torch.Tensor] = ()) -> None:
+        self.replicas = replicas
+        self.copies = {id(t) for t in copies}
+
+
+def _global_norm(pairs: _Pairs, ownership: Ownership | None, group: Group, rule: _Rule) -> torch.Tensor:
     if ownership is not None:
         ownership.verify(group)
-    counted, error = _counted_grads(pairs, ownership, group)
+    counted, error = _counted_grads(pairs, ownership, group, rule)
     wide = any(t.grad is not None and t.grad.dtype in _WIDE for t in _distinct(pairs))
     if not is_distributed(group):
         if error is not None:
@@ -122,6 +142,8 @@ def clip_grad_norm_(
     *,
     ownership: Ownership | None = None,
     group: Group = None,
+    replica_group: Group = None,
+    copies: Iterable[torch.Tensor] = (),
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale every gradient of ``params`` so that the global norm is at most ``max_norm``.
@@ -137,6 +159,8 @@ def clip_grad_norm_(
         max_norm: the largest norm allowed.
         ownership: as for :func:`grad_norm`.
         group: as for :func:`grad_norm`.
+        replica_group: as for :func:`grad_norm`.
+        copies: as for :func:`grad_norm`; their gradients are scaled too, so that tied copies stay equal.
         error_if_nonfinite: raise instead of scaling when the norm is NaN or Inf (on every rank).
 
     Returns:
@@ -152,7 +176,7 @@ def clip_grad_norm_(
     (tensor(5.), tensor([0.6000, 0.8000]))
     """
     pairs = _pairs(params)
-    total = _global_norm(pairs, ownership, group)
+    total = _global_norm(pairs, ownership, group, _Rule(replica_group, copies))
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise NonFiniteGradientError(
             f"rank {get_rank(group)}: the global gradient norm is {float(total)!r}; every rank sees the same value "
@@ -190,7 +214,7 @@ def _distinct(pairs: _Pairs) -> list[torch.Tensor]:
 
 
 def _counted_grads(
-    pairs: _Pairs, ownership: Ownership | None, group: Group
+    pairs: _Pairs, ownership: Ownership | None, group: Group, rule: _Rule
 ) -> tuple[list[torch.Tensor], GradaggError | None]:
     """The local gradients this rank counts, or the first invalid parameter's error (raised after the collective)."""
     rank = get_rank(group)
@@ -198,25 +222,30 @@ def _counted_grads(
     counted = []
     for name, t in pairs:
         try:
-            owned = _counts(name, t, ownership, group, rank)
+            owned = _counts(name, t, ownership, group, rank, rule)
         except GradaggError as exc:
             return [], exc
         if id(t) in seen:
             continue  # tied: the first name under which the tensor appears decides
         seen.add(id(t))
-        if owned and t.grad is not None:
+        if owned and t.grad is not None and id(t) not in rule.copies:
             counted.append(local_tensor(t.grad))
     return counted, None
 
 
-def _counts(name: ShardId | None, t: torch.Tensor, ownership: Ownership | None, group: Group, rank: int) -> bool:
+def _counts(
+    name: ShardId | None, t: torch.Tensor, ownership: Ownership | None, group: Group, rank: int, rule: _Rule
+) -> bool:
     """Whether this rank counts ``t``'s gradient (its local piece of it); raises for an invalid parameter."""
     try:
         if t.grad is not None and is_dtensor(t.grad) != is_dtensor(t):
             kinds = ["a DTensor" if is_dtensor(x) else "a plain tensor" for x in (t, t.grad)]
             raise PlacementError(f"the parameter is {kinds[0]} but its gradient is {kinds[1]}")
         if ownership is None:
-            return counts_here(t.grad if t.grad is not None else t, group)
+            x = t.grad if t.grad is not None else t
+            if rule.replicas is not None and not is_dtensor(x):
+                return get_rank(rule.replicas) == 0
+            return counts_here(x, group)
         return _declared_owner(name, t, ownership, rank) == rank
     except PlacementError as exc:
         label = repr(name) if name is not None else f"(unnamed, shape {tuple(t.shape)})"

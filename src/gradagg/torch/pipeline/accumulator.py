@@ -1,0 +1,179 @@
+"""The :class:`PipelineAccumulator`: a ``torch.distributed.pipelining`` step with a counted token divisor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradagg.errors import GradaggError, PlacementError, WindowError
+from gradagg.torch.collectives import Group, check_same_on_all_ranks, get_rank
+from gradagg.torch.norm import clip_grad_norm_, grad_norm
+from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
+from gradagg.torch.pipeline.grads import reduce_and_divide
+from gradagg.torch.pipeline.ledger import PipelineLedger
+from gradagg.torch.pipeline.ties import Ties
+from gradagg.torch.placements import is_dtensor
+
+CountedLoss = Callable[..., tuple[torch.Tensor, "torch.Tensor | float"]]
+
+
+class PipelineAccumulator:
+    """Makes a pipelined step's gradients the sum over every microbatch of every replica / D, D counted once.
+
+    Args:
+        stages: the ``PipelineStage`` (or the list of them, interleaved) this rank runs.
+        dp_group: the data-parallel group of this rank's stages (the ranks holding the same stages); None
+            is the default group, right only with a single stage. Use a group of one without data parallelism.
+        pp_group: this pipeline's group; None: the stages' own ``group``.
+        tied: name -> tensor for the weights this rank holds that are tied to a tensor on another stage
+            (``{"embedding": emb.weight}`` on the first stage, ``{"embedding": head.weight}`` on the last).
+
+    Raises:
+        GradaggError: a tie declared on one rank only, or with different shapes (every rank of the pipeline).
+        PlacementError: a DTensor parameter (tensor parallelism inside a stage is not covered).
+        CollectiveError: the replicas of a stage hold different parameters or ties.
+
+    One step: ``schedule = ScheduleGPipe(stage, n, loss_fn=pipe.loss(fn))``, then
+    ``ledger = pipe.step(schedule, inputs, target=labels)``, then ``pipe.clip_grad_norm_(1.0)`` and the optimizer.
+    The test suite runs it on 4 gloo ranks; starting processes is not for a doctest::
+
+    >>> pipe = PipelineAccumulator(stage, dp_group=dp, tied={"embedding": stage.submod.embed.weight})  # doctest: +SKIP
+    """
+
+    def __init__(self, stages: Any, *, dp_group: Group, pp_group: Group = None,
+                 tied: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.stages = list(stages) if isinstance(stages, Sequence) else [stages]
+        self.dp_group = dp_group
+        self.pp_group = pp_group if pp_group is not None else self.stages[0].group
+        self.last = any(s.is_last for s in self.stages)
+        self.names, self.params = _parameters(self.stages)
+        self.ties = Ties(_check_ties(tied or {}, self.params), self.pp_group)
+        entries: list[tuple[object, str]] = [
+            (n, f"(shape={tuple(p.shape)}, dtype={p.dtype})") for n, p in zip(self.names, self.params)
+        ]
+        entries += [(f"tie {n}", "declared") for n in self.ties.local]
+        check_same_on_all_ranks(entries,
+                                "the parameters of a stage's replicas", self.dp_group)
+        self._counts = Counts()
+
+    def loss(self, fn: CountedLoss) -> Callable[..., torch.Tensor]:
+        """The ``loss_fn`` to build the schedule with: ``fn(output, target)`` returns ``(loss sum, count)``.
+
+        The loss must be a *sum* over the microbatch's tokens (not a mean), and the count the number of
+        tokens it summed (0 for a padding microbatch whose labels are all ignored). The schedule
+        back-propagates the sum; :meth:`step` divides by the total count.
+        """
+
+        def counted(output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+            loss_sum, count = fn(output, target, **kwargs)
+            self._counts.record(loss_sum, count)
+            return loss_sum
+
+        return counted
+
+    def step(self, schedule: Any, *args: Any, **kwargs: Any) -> PipelineLedger:
+        """Run ``schedule.step(*args, **kwargs)`` with its own scaling off, then reduce and divide.
+
+        The schedule's ``scale_grads`` (a division by its number of microbatches) is turned off for the call
+        and restored after. Then: the count is summed over the pipeline and the replicas (two small
+        all_reduce calls), each stage's gradients are summed over its replicas and divided by that one D
+        (one all_reduce per dtype), and tied weights are summed over the stages that hold them.
+
+        Returns:
+            The step's :class:`PipelineLedger`.
+
+        Raises:
+            WindowError: on every rank, with every gradient set to None, when some rank had gradients before
+                the step (call ``optimizer.zero_grad()``), a count is NaN, Inf or negative, a pipeline has no
+                last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), or D = 0.
+            CollectiveError: a collective failed or timed out.
+        """
+        stale = any(p.grad is not None for p in self.params)  # reported after the step, on every rank
+        self._counts.clear()
+        losses = kwargs.pop("losses", None)
+        losses = [] if losses is None else losses  # the schedule fills it: the real microbatches' losses
+        scale = schedule.scale_grads
+        schedule.scale_grads = False
+        try:
+            schedule.step(*args, losses=losses, **kwargs)
+        finally:
+            schedule.scale_grads = scale
+        self._counts.keep(losses)
+        return self._finish(stale)
+
+    def _finish(self, stale: bool) -> PipelineLedger:
+        present = [p.grad is not None for p in self.params]
+        totals = reduce_counts(self._counts, self.last, stale, present, self.pp_group, self.dp_group)
+        problem = _problem(totals)
+        if problem is not None:
+            for p in self.params:
+                p.grad = None
+            raise WindowError(f"rank {get_rank()}: {problem}; every rank raises, and every gradient is now None")
+        reduce_and_divide(self.params, totals.present, totals.divisor, self.dp_group)
+        self.ties.reduce()
+        return self._ledger(totals)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm over every stage and replica, each element once, tied weights once."""
+        return grad_norm(self.params, group=None, replica_group=self.dp_group, copies=self.ties.copies())
+
+    def clip_grad_norm_(self, max_norm: float, *, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip with :meth:`grad_norm` (as :func:`gradagg.torch.clip_grad_norm_`); returns the norm before."""
+        return clip_grad_norm_(self.params, max_norm, group=None, replica_group=self.dp_group,
+                               copies=self.ties.copies(), error_if_nonfinite=error_if_nonfinite)
+
+    def _ledger(self, totals: Totals) -> PipelineLedger:
+        return PipelineLedger(
+            rank=(get_rank(self.pp_group), get_rank(self.dp_group)),
+            stages=tuple(s.stage_index for s in self.stages), last=self.last,
+            tokens_local=local_tokens(self._counts, self.last), tokens_per_replica=totals.tokens,
+            microbatches_per_replica=totals.microbatches, padding_per_replica=totals.padding,
+            divisor=totals.divisor, loss=totals.loss / totals.divisor,
+            absent=tuple(n for n, here in zip(self.names, totals.present) if not here),
+            tied=tuple(self.ties.names),
+        )
+
+
+def _parameters(stages: list[Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """Every trainable parameter of this rank's stages, once each, named ``stage{i}.{name}``."""
+    names, params, seen = [], [], set()
+    for stage in stages:
+        for name, p in stage.submod.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            if is_dtensor(p):
+                raise PlacementError(f"stage {stage.stage_index}: parameter {name!r} is a DTensor; "
+                                     "PipelineAccumulator covers plain (replicated) stage parameters only")
+            seen.add(id(p))
+            names.append(f"stage{stage.stage_index}.{name}")
+            params.append(p)
+    return names, params
+
+
+def _check_ties(tied: Mapping[str, torch.Tensor], params: list[torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    ids = {id(p) for p in params}
+    for name, t in tied.items():
+        if id(t) not in ids:
+            raise GradaggError(f"tied weight {name!r} (shape {tuple(t.shape)}) is not a trainable parameter "
+                               "of this rank's stages")
+    return tied
+
+
+def _problem(t: Totals) -> str | None:
+    """Why the step cannot be divided, the same words on every rank (None: it can)."""
+    replicas = range(len(t.tokens))
+    checks = [
+        ([r for r in replicas if t.stale[r]], "had gradients before the step (call optimizer.zero_grad() first)"),
+        ([r for r in replicas if t.invalid[r]], "counted NaN, Inf or a negative number"),
+        ([r for r in replicas if t.lasts[r] != 1], "do not have exactly one last stage among the stages passed"),
+        ([r for r in replicas if t.lasts[r] == 1 and t.microbatches[r] == 0],
+         "recorded no count: build the schedule with loss_fn=pipe.loss(fn)"),
+    ]
+    for bad, what in checks:
+        if bad:
+            return f"data-parallel replica(s) {bad} {what}"
+    if t.divisor == 0:
+        return f"the total count D is 0 (microbatches per replica {list(t.microbatches)}, all padding)"
+    return None

@@ -1,0 +1,82 @@
+"""PipelineAccumulator on 4 gloo ranks (2 stages x 2 replicas), a tiny tied transformer, against one process.
+
+The worker (tests.torch.workers.pipeline) runs every case in one world: GPipe, 1F1B and interleaved 1F1B
+(two stages per rank) with uneven counts per replica and per microbatch; a replica padded with count-0
+microbatches; a replica running fewer microbatches than the other; torch's own recipe (a token mean per
+microbatch, scale_grads, a DP mean), shown wrong; the norm with the tied embedding/head counted once against
+the naive double count; and three steps refused on every rank (a NaN count, stale gradients, D = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gradagg.testing import run_local_world
+from tests.torch.workers import pipeline as w
+
+# float64: gradagg's gradients are the oracle's per-token terms summed in another order (per microbatch,
+# per replica, per tie), then divided by the same D: a few ulps of the largest gradient.
+EXACT = 1e-14
+CASES = ["gpipe", "1f1b", "interleaved", "padded", "fewer"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_local_world(w.world, 4, collective_timeout_s=10.0, timeout_s=120.0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_step_equals_one_process_token_mean(ranks: list[dict[str, Any]], case: str) -> None:
+    """Every stage on every replica holds the float64 full-batch token-mean gradient; the schedule's own
+    scale_grads is restored after the step."""
+    for r in ranks:
+        assert r[case]["error"] <= EXACT, (case, r[case]["error"])
+        assert r[case]["scale_restored"] is True
+
+
+def test_divisor_counted_once_on_the_last_stage(ranks: list[dict[str, Any]]) -> None:
+    """D is the labels' count, taken by each replica's last stage only, the same on every rank; the
+    shape-inference call of the first step is not counted; padding microbatches are present with count 0."""
+    for case in CASES:
+        ledgers = [r[case]["ledger"] for r in ranks]
+        assert len({(lg.divisor, lg.tokens_per_replica, lg.loss) for lg in ledgers}) == 1, case
+        assert [lg.tokens_local is None for lg in ledgers] == [not lg.last for lg in ledgers]
+    uneven = ranks[1]["gpipe"]["ledger"]
+    assert uneven.tokens_local == (6.0, 4.0, 10.0, 3.0) and uneven.divisor == 44.0
+    assert ranks[3]["padded"]["ledger"].tokens_local == (2.0, 9.0, 0.0, 0.0)
+    assert ranks[0]["padded"]["ledger"].padding_per_replica == (0, 2)
+    assert ranks[0]["fewer"]["ledger"].microbatches_per_replica == (4, 2)
+    assert ranks[1]["gpipe"]["ledger"].absent == ("stage1.unused.weight", "stage1.unused.bias")
+    assert "divisor D = total count = 44" in uneven.report()
+
+
+def test_schedule_own_scaling_is_wrong_for_token_weighting(ranks: list[dict[str, Any]]) -> None:
+    """torch's recipe (mean loss per microbatch, divided by n_microbatches, then by the replicas) weights a
+    token of a short microbatch more: off by far more than round-off (over 10% here), what gradagg fixes."""
+    for r in ranks:
+        assert r["schedule_own"]["error"] > 0.1
+
+
+def test_norm_counts_tied_weight_once(ranks: list[dict[str, Any]]) -> None:
+    """The norm equals the one-process norm (the tie is one tensor there); the naive norm, counting the
+    embedding on stage 0 and the head on stage 1, is sqrt(norm^2 + |tied|^2); clipping uses the right one."""
+    for r in ranks:
+        c = r["gpipe"]
+        assert c["norm"] == pytest.approx(c["norm_truth"], rel=1e-13)
+        assert c["naive"] == pytest.approx((c["norm_truth"] ** 2 + c["tied_norm"] ** 2) ** 0.5, rel=1e-13)
+        assert c["naive"] - c["norm"] > 0.05
+        assert c["clip_before"] == c["norm"] and c["clip_error"] <= EXACT
+    assert len({r["gpipe"]["norm"] for r in ranks}) == 1
+
+
+@pytest.mark.parametrize("what", ["nan", "stale", "zero"])
+def test_refused_on_every_rank(ranks: list[dict[str, Any]], what: str) -> None:
+    """A NaN count, gradients before the step (on one rank), or D = 0: WindowError on all four ranks, naming
+    the replica, with every gradient set to None (never a silent division)."""
+    words = {"nan": "counted NaN", "stale": "had gradients before the step", "zero": "total count D is 0"}[what]
+    for r in ranks:
+        out = r[f"refused_{what}"]
+        assert out["raised"] is not None and words in out["raised"]
+        assert out["all_none"]
