@@ -28,6 +28,6 @@ def test_label_tokens_refuses_what_it_cannot_count() -> None:
 
 
 def test_import_integrations_loads_no_framework() -> None:
-    code = "import sys, gradagg, gradagg.integrations; print([m for m in (\"transformers\", \"trl\") if m in sys.modules])"
+    code = "import sys, gradagg, gradagg.integrations; print([m for m in sys.modules if m in {'transformers', 'trl'}])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
