@@ -28,12 +28,40 @@ def config() -> Any:
                        pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    """The same float32 model on every rank for the same seed."""
+def model(seed: int = 0, *, loss_kwargs: bool = True) -> torch.nn.Module:
+    """The same float32 model on every rank for the same seed.
+
+    ``loss_kwargs=False``: the same model, declared as taking no loss kwargs (``accepts_loss_kwargs = False``), as a
+    model whose forward has no ``**kwargs`` would be: the Trainer then passes it no ``num_items_in_batch``.
+    """
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config())
+    cls = LlamaForCausalLM if loss_kwargs else _no_loss_kwargs_class()
+    return cls(config())  # type: ignore[no-any-return]
+
+
+def _no_loss_kwargs_class() -> type:
+    from transformers import LlamaForCausalLM
+
+    class NoLossKwargsLlamaForCausalLM(LlamaForCausalLM):  # type: ignore[misc]
+        accepts_loss_kwargs = False
+
+    return NoLossKwargsLlamaForCausalLM
+
+
+def tokenizer() -> Any:
+    """A word-level tokenizer over the model's vocabulary (tokens ``t0`` ... ``t127``), built here: no download."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    raw = Tokenizer(WordLevel(vocab, unk_token="t3"))
+    raw.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token=f"t{PAD}", bos_token="t1", eos_token="t2",
+                                   unk_token="t3")
 
 
 def sequences(seed: int, count: int) -> list[dict[str, list[int]]]:

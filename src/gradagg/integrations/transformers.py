@@ -1,0 +1,245 @@
+"""Exact gradient accumulation inside a Hugging Face ``Trainer``: ``exact(trainer)``, one line before ``train()``.
+
+What the Trainer computes on its own depends on its settings: with its defaults (``average_tokens_across_devices``
+and a model whose forward takes loss kwargs) the global token mean; with ``average_tokens_across_devices=False``
+the mean of per-rank token means; with a model that takes no loss kwargs, or a ``compute_loss`` that returns a
+mean, the mean of microbatch means. After :func:`exact`, every optimizer step's gradient is
+
+    sum over the window's microbatches on all ranks of the token-summed loss's gradient  /  tokens counted
+
+whatever those settings, the per-rank and per-window counts and the short last window of an epoch. How, through
+the Trainer's overridable methods only (they are replaced on the instance, so subclasses such as TRL's
+``SFTTrainer`` keep their own ``compute_loss`` and ``training_step``, which are called inside):
+
+* ``compute_loss`` is called with ``num_items_in_batch=None``: the loss comes back as the microbatch's mean over
+  its own tokens (no factor for the world size or the window) and is multiplied by the count, a sum;
+  ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing it by the window's length.
+* ``training_step`` runs inside a :class:`~gradagg.torch.MicrobatchAccumulator` microbatch weighted by the count,
+  built on the first step around the model as ``accelerator.prepare`` wrapped it (DDP, FSDP2). The Trainer marks
+  the window's last microbatch (``accelerator.sync_gradients``); after it, ``finish()`` runs there, so the
+  clip (``max_grad_norm``) and the logged ``grad_norm`` see the exact gradient. That step returns the window's
+  token mean as its loss (the others 0), so the logged ``loss`` is the true token mean.
+* ``accelerator.no_sync`` does nothing while gradagg holds DDP's and FSDP2's synchronisation itself (FSDP2's
+  ``no_sync`` would turn FSDP's reduction back on at its end); a callback checks at ``on_pre_optimizer_step``
+  that the window was finished.
+* DDP's buffer broadcast is turned off when every buffer is non-persistent (derived from the config, e.g.
+  Llama's rotary ``inv_freq``: the same on every rank by construction) and ``ddp_broadcast_buffers`` was not
+  set; otherwise DDP is built as configured.
+
+The microbatch's count, by default, is its labels other than -100 after the causal shift
+(:func:`gradagg.integrations._tokens.label_tokens`), for causal LMs (the model's loss is ``ForCausalLM``);
+``exact(trainer, weight=fn)`` gives it for any other loss (``fn(inputs)``, the dict ``compute_loss`` receives;
+the loss is then taken as its mean over that count). A microbatch that counts 0 runs its forward but no backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from gradagg.errors import GradaggError
+from gradagg.integrations._tokens import label_tokens
+
+Weight = Callable[[Mapping[str, Any]], object]
+_MARK = "_gradagg_exact"
+
+
+def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
+    """Make every optimizer step of ``trainer`` use the exact global token-mean gradient; call once, before ``train()``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (subclasses included), not yet trained.
+        weight: ``fn(inputs)`` giving a microbatch's count (a non-negative number or 0-dim tensor), for a loss
+            that is a mean over something else than a causal LM's shifted labels. Default: those labels.
+
+    Returns:
+        ``trainer``, changed in place.
+
+    Raises:
+        GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
+            not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
+            sequence parallelism, a MoE auxiliary loss); a model or ``compute_loss_func`` whose loss it cannot
+            count without ``weight``.
+    """
+    _check_trainer(trainer)
+    _check_setup(trainer)
+    count = weight if weight is not None else _default_weight(trainer)
+    hold = _Exact(trainer, count)
+    trainer.compute_loss = hold.compute_loss
+    trainer.training_step = hold.training_step
+    trainer.loss_is_scaled_for_ga = True
+    trainer.accelerator.no_sync = _no_sync_held
+    trainer.add_callback(_FinishedGuard(hold))
+    _skip_constant_buffer_broadcast(trainer)
+    setattr(trainer, _MARK, hold)
+    return trainer
+
+
+class _Exact:
+    """The trainer's state under :func:`exact`: its original methods, the accumulator, the window's loss sum."""
+
+    def __init__(self, trainer: Any, count: Weight) -> None:
+        self.trainer, self.count = trainer, count
+        self.original_compute_loss = trainer.compute_loss
+        self.original_training_step = trainer.training_step
+        self.acc: Any = None
+        self.model: Any = None
+        self.pending: float | None = None  # the count of the microbatch whose training_step is running
+        self.window_loss = 0.0  # this rank's token-summed loss over the open window
+        self.finished = False  # whether the current window was finished (reset by the guard at each step)
+
+    def accumulator(self, model: Any) -> Any:
+        """The accumulator around ``model`` as the Trainer prepared it (built at the first step, anew if it changes)."""
+        if self.acc is None or self.model is not model:
+            from gradagg.torch import MicrobatchAccumulator
+
+            if self.acc is not None:
+                self.acc.close()
+            self.acc, self.model = MicrobatchAccumulator(model), model
+        return self.acc
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        acc = self.accumulator(model)
+        n = _check_count(self.count(inputs), self.trainer.state.global_step)
+        last = bool(self.trainer.accelerator.sync_gradients)
+        self.pending = n
+        try:
+            with acc.microbatch(weight=n, last=last):
+                loss = self.original_training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.pending = None
+        self.window_loss += float(loss)
+        device = self.trainer.args.device
+        if not last:
+            return torch.zeros((), device=device)
+        ledger = acc.finish()
+        self.finished = True
+        # The Trainer logs the mean over ranks of what the window's steps returned: each rank returns its share
+        # of the global token mean times the number of ranks, so that the mean over ranks is the token mean.
+        share = self.window_loss * ledger.world_size / ledger.weight_global if ledger.weight_global else 0.0
+        self.window_loss = 0.0
+        return torch.tensor(share, device=device)
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        n = self.pending
+        if n is None:  # evaluation (prediction_step) or a call outside training_step: the Trainer's own loss
+            return self.original_compute_loss(model, inputs, return_outputs=return_outputs,
+                                              num_items_in_batch=num_items_in_batch)
+        out = self.original_compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
+        loss, rest = (out[0], out[1:]) if return_outputs else (out, ())
+        summed = loss * n if n > 0 else _zero_loss(loss)
+        return (summed, *rest) if return_outputs else summed
+
+
+def _zero_loss(loss: Any) -> Any:
+    """A zero that back-propagates into no parameter: a microbatch counting no token (its mean may be 0/0)."""
+    return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+
+
+def _check_count(value: object, step: int) -> float:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise GradaggError(
+            f"step {step}: the microbatch's count must be a finite non-negative number or 0-dim tensor, got {value!r}"
+        )
+    return float(value)
+
+
+@contextlib.contextmanager
+def _no_sync_held(model: Any = None) -> Iterator[None]:
+    """``accelerator.no_sync`` under :func:`exact`: the accumulator already holds DDP's and FSDP2's reduction."""
+    yield
+
+
+class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
+    """Refuses an optimizer step whose window gradagg did not finish (a loop that did not mark its last microbatch)."""
+
+    def __init__(self, hold: _Exact) -> None:
+        self.hold = hold
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.hold.finished:
+            raise GradaggError(
+                f"step {state.global_step}: the optimizer steps before gradagg finished the accumulation window "
+                "(the Trainer did not mark the window's last microbatch with accelerator.sync_gradients); the "
+                "gradient would be unreduced and its clip skipped"
+            )
+        self.hold.finished = False
+
+
+def _check_trainer(trainer: Any) -> None:
+    if not isinstance(trainer, Trainer):
+        raise GradaggError(f"exact() takes a transformers.Trainer, got {type(trainer).__name__}")
+    if getattr(trainer, _MARK, None) is not None:
+        raise GradaggError(f"exact() was already applied to this {type(trainer).__name__}; call it once")
+    if _already_trained(trainer):
+        raise GradaggError(
+            f"exact() must be called before train(): this {type(trainer).__name__} already trained "
+            f"(global step {trainer.state.global_step}, model wrapped as {type(trainer.model_wrapped).__name__})"
+        )
+    if not hasattr(trainer, "loss_is_scaled_for_ga"):
+        raise GradaggError("exact() needs a transformers Trainer with loss_is_scaled_for_ga (transformers >= 5.24)")
+
+
+def _already_trained(trainer: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = trainer.model_wrapped is not trainer.model or isinstance(trainer.model, FSDPModule)
+    return bool(trainer.state.global_step > 0 or wrapped)
+
+
+def _check_setup(trainer: Any) -> None:
+    name = type(trainer).__name__
+    reasons = []
+    if trainer.is_deepspeed_enabled:
+        reasons.append("DeepSpeed (its engine reduces and scales gradients itself)")
+    if trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+        reasons.append("FSDP version 1 (use fsdp_config={'fsdp_version': 2})")
+    if trainer.args.n_gpu > 1:
+        reasons.append(f"DataParallel over {trainer.args.n_gpu} GPUs (launch one process per GPU instead)")
+    if max(trainer.get_tp_size(), trainer.get_cp_size(), trainer.get_sp_size()) > 1:
+        reasons.append("tensor, context or sequence parallelism")
+    if getattr(trainer, "aux_loss_enabled", False):
+        reasons.append("a MoE router auxiliary loss (a per-microbatch mean, not a token sum)")
+    if reasons:
+        raise GradaggError(f"exact() cannot make this {name} exact: {'; '.join(reasons)}")
+
+
+def _default_weight(trainer: Any) -> Weight:
+    """The causal shift's label count, for a model whose loss is transformers' ``ForCausalLM`` loss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if trainer.compute_loss_func is not None:
+        raise GradaggError(
+            "exact() cannot count the tokens of a compute_loss_func's loss: pass weight=fn, fn(inputs) giving the "
+            "count the loss is a mean over"
+        )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    loss = getattr(model, "loss_function", None)  # what the model's forward computes its loss with
+    config = getattr(model, "config", None)
+    if loss is not ForCausalLMLoss or getattr(config, "is_encoder_decoder", False):
+        raise GradaggError(
+            f"exact() counts a causal LM's shifted labels by default, but {type(model).__name__}'s loss is "
+            f"{getattr(loss, '__name__', loss)!r}: pass weight=fn, fn(inputs) giving the count its loss is a mean over"
+        )
+    return lambda inputs: label_tokens(inputs, "a training microbatch")
+
+
+def _skip_constant_buffer_broadcast(trainer: Any) -> None:
+    """Build DDP without a buffer broadcast when every buffer is non-persistent and the user did not ask for one."""
+    handler = getattr(trainer.accelerator, "ddp_handler", None)
+    if handler is None or trainer.args.ddp_broadcast_buffers is not None:
+        return
+    model = trainer.model
+    kept = set(model.state_dict(keep_vars=True))
+    if all(name not in kept for name, _ in model.named_buffers()):
+        handler.broadcast_buffers = False
+
+
+__all__ = ["Weight", "exact"]
