@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import GradaggError
+from gradagg.torch import guard
 from gradagg.torch.accumulate import hooks, shards, stale
 from gradagg.torch.accumulate.buckets import Groups, Sender
 from gradagg.torch.accumulate.state import State
@@ -49,7 +50,9 @@ def open_window(state: State, *, empty: bool = False) -> None:
 
 def install(state: State) -> None:
     """Hook every parameter (:func:`gradagg.torch.accumulate.hooks.install`'s, padding-aware): plain ones take
-    their gradient into the buffer; under the shards form, FSDP hands its reduced shards to the sharded ones."""
+    their gradient into the buffer; under the shards form, FSDP hands its reduced shards to the sharded ones;
+    register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
+    state.extra_hooks.append(guard.register(state))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:
             hooks.hook(state, t, i, taken)
