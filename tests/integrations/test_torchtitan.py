@@ -137,7 +137,6 @@ def test_accumulator_after_torchtitan_zero_grad_set_to_none_false(today: dict[st
     _exact_case(today, "zero_grad(set_to_none=False)")
 
 
-@pytest.mark.xfail(strict=True, reason=CLIP)
 def test_clip_before_an_attached_finish_is_right_or_refused(today: dict[str, dict[str, Any]]) -> None:
     """attach(trainer.optimizers), torchtitan's clip_grad_norm_ while the window is open, then the step. Today the clip
     sees no gradient and the step applies the unclipped one, silently (error ~2.5): it must be right or raise."""
