@@ -64,6 +64,7 @@ def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
 @pytest.mark.parametrize(("script", "ranks", "line"), [
     ("examples/token_weighted.py", 3, "D = 102 tokens (per rank [24.0, 42.0, 36.0]), M = 8"),
     ("examples/fsdp2_uneven.py", 4, "counts [0, 3, 2, 0], D = 23; .grad is a DTensor"),
+    ("examples/pipeline_exact.py", 4, "last step D = 34 (per replica [19, 15])"),  # 2 stages x 2, a tie across
 ])
 def test_examples_run_on_the_world_size_torchrun_gives(script: str, ranks: int, line: str) -> None:
     """Not only 2 ranks: the examples take the launcher's world size (a rank with none included on 4)."""
