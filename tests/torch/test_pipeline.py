@@ -4,7 +4,8 @@ The worker (tests.torch.workers.pipeline) runs every case in one world: GPipe, 1
 (two stages per rank) with uneven counts per replica and per microbatch; a replica padded with count-0
 microbatches; a replica running fewer microbatches than the other; torch's own recipe (a token mean per
 microbatch, scale_grads, a DP mean), shown wrong; the norm with the tied embedding/head counted once against
-the naive double count; and three steps refused on every rank (a NaN count, stale gradients, D = 0).
+the naive double count; a layer present on one replica only; and three steps refused on every rank (a NaN
+count, stale gradients, D = 0).
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def test_divisor_counted_once_on_the_last_stage(ranks: list[dict[str, Any]]) -> 
     assert ranks[0]["fewer"]["ledger"].microbatches_per_replica == (4, 2)
     assert ranks[1]["gpipe"]["ledger"].absent == ("stage1.unused.weight", "stage1.unused.bias")
     assert "divisor D = total count = 44" in uneven.report()
+
+
+def test_parameter_present_on_one_replica_only(ranks: list[dict[str, Any]]) -> None:
+    """A layer that runs on replica 0's last stage only: replica 1 sends zeros for it, both end with replica 0's
+    contribution over the global D (not over replica 0's tokens), and the ledger does not call it absent."""
+    for r in ranks:
+        assert r["presence"]["error"] <= EXACT, r["presence"]["error"]
+        assert r["presence"]["ledger"].absent == ()
+    assert ranks[1]["presence"]["unused_nonzero"] and ranks[3]["presence"]["unused_nonzero"]
 
 
 def test_schedule_own_scaling_is_wrong_for_token_weighting(ranks: list[dict[str, Any]]) -> None:

@@ -2,7 +2,9 @@
 
 The stage modules are copies of the whole model's pieces (same initial values); the last stage's head is a
 separate tensor equal to the embedding, as in a pipelined run, where the two live on different ranks. The
-last stage also holds ``unused``, a layer that never runs: absent on every replica, its gradient stays None.
+last stage also holds ``unused``, a layer that never runs (absent on every replica, its gradient stays None)
+unless ``extra`` is set on a replica's last stage: then it runs there only (present on one replica, absent on
+the other), and the oracle runs it on that replica's microbatches only.
 """
 
 from __future__ import annotations
@@ -45,11 +47,16 @@ class Whole(nn.Module):
         self.unused = nn.Linear(E, 1)
         self.double()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, extra: bool = False) -> torch.Tensor:
         x = self.embed(ids) + self.pos
         for b in self.blocks:
             x = b(x)
-        return self.norm(x) @ self.embed.weight.T
+        return _extra(self.norm(x), self.unused, extra) @ self.embed.weight.T
+
+
+def _extra(x: torch.Tensor, unused: nn.Linear, extra: bool) -> torch.Tensor:
+    """``unused`` adds a learned scalar per position when ``extra`` is set; otherwise it does not run."""
+    return x + unused(x) if extra else x
 
 
 class First(nn.Module):
@@ -81,9 +88,10 @@ class Last(Middle):
         super().__init__(blocks)
         self.norm, self.unused = copy.deepcopy(whole.norm), copy.deepcopy(whole.unused)
         self.head = nn.Parameter(whole.embed.weight.detach().clone())  # tied to First.embed.weight
+        self.extra = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(super().forward(x)) @ self.head.T
+        return _extra(self.norm(super().forward(x)), self.unused, self.extra) @ self.head.T
 
 
 def stage_module(whole: Whole, index: int, n_stages: int) -> nn.Module:
@@ -128,12 +136,17 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE)
 
 
-def truth(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], float]:
-    """The whole model's gradients of the token mean over every batch at once, and their 2-norm."""
+def truth(batches: list[tuple[torch.Tensor, torch.Tensor]],
+          extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[dict[str, torch.Tensor], float]:
+    """The whole model's gradients of the token mean over every batch at once (``extra``'s through ``unused``),
+    and their 2-norm."""
     whole = Whole()
-    ids = torch.cat([b[0] for b in batches])
-    labels = torch.cat([b[1] for b in batches])
-    loss, count = token_sum_loss(whole(ids), labels)
+    loss, count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    for group, through in ((batches, False), (extra, True)):
+        if group:
+            ids, labels = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
+            s, c = token_sum_loss(whole(ids, extra=through), labels)
+            loss, count = loss + s, count + c
     (loss / count).backward()
     grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))

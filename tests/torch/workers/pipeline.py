@@ -107,6 +107,21 @@ def norms(me: Rank, pipe: PipelineAccumulator, stages: list[PipelineStage], modu
             "clip_before": float(before), "clip_error": clipped}
 
 
+def presence_case(me: Rank) -> dict[str, Any]:
+    """``unused`` runs on replica 0's last stage only: present on one replica, absent on the other (zeros sent)."""
+    stages, modules, tied = build(me, 1)
+    if stages[0].is_last:
+        modules[0].extra = me.dp == 0
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    mbs = batches(UNEVEN, me.dp)
+    args, kwargs = step_inputs(stages, mbs)
+    ledger = pipe.step(schedule("gpipe", stages, len(mbs), pipe.loss(m.token_sum_loss)), *args, **kwargs)
+    want, _ = m.truth(batches(UNEVEN, 1), extra=batches(UNEVEN, 0))
+    unused = [p.grad for n, p in modules[0].named_parameters() if n.startswith("unused.")]
+    return {"error": error(stages, modules, want), "ledger": ledger,
+            "unused_nonzero": bool(unused) and all(g is not None and bool(g.abs().sum() > 0) for g in unused)}
+
+
 def schedule_own_case(me: Rank) -> dict[str, Any]:
     """torch's own recipe: a token-mean loss per microbatch, scale_grads=True, then a DP mean; ties summed."""
     stages, modules, tied = build(me, 1)
@@ -150,6 +165,7 @@ def world() -> dict[str, Any]:
         out[kind] = exact_case(me, kind, UNEVEN)
     out["padded"] = exact_case(me, "1f1b", PADDED)
     out["fewer"] = exact_case(me, "gpipe", FEWER)
+    out["presence"] = presence_case(me)
     out["schedule_own"] = schedule_own_case(me)
     for what in ("nan", "stale", "zero"):
         out[f"refused_{what}"] = refused_case(me, what)
