@@ -3,7 +3,7 @@
 Every collective gradagg issues goes through one private function, :func:`_collective`
 (torchtitan's ``_dist_reduce_tensor`` plays that part there); the named wrappers
 (:func:`all_reduce_sum`, :func:`all_reduce_sum_async`, :func:`reduce_scatter_sum_async`,
-:func:`all_gather_into`, :func:`all_gather_object`) only say what to call and what the
+:func:`all_gather_into`, :func:`all_gather_object`, :func:`broadcast_from_first`) only say what to call and what the
 operation means on one rank, so that
 
 * one code path serves one process and many: ``group=None`` means what it means
@@ -295,6 +295,32 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = N
     _collective("all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group),
                 lambda: output.copy_(tensor))
     return output
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank of ``group`` with the value it has on the group's rank 0, in place.
+
+    Args:
+        tensor: contiguous, on :func:`device_for` ``(group)``; same shape and dtype on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        ``tensor`` (unchanged with no process group: rank 0 is this process).
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+
+    >>> broadcast_from_first(torch.tensor([7.0]))
+    tensor([7.])
+    """
+
+    def issue() -> None:
+        # dist.broadcast takes a global rank as its source: the group's rank 0, translated
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(tensor, src=src, group=group)
+
+    _collective("broadcast", _elements(tensor), tensor.numel(), group, issue, lambda: None)
+    return tensor
 
 
 def all_gather_object(obj: object, group: Group = None) -> list[object]:

@@ -44,7 +44,8 @@ class MicrobatchAccumulator:
 
     Args:
         module_or_params: a module (its ``named_parameters()``); a ``DistributedDataParallel`` module (kept
-            in ``no_sync()`` while attached, see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
+            in ``no_sync()`` while attached, its buffers broadcast from rank 0 once per window if DDP syncs them,
+            see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
             applied (FSDP2 or HSDP, see :mod:`gradagg.torch.accumulate.fsdp`); tensors; or ``(name, tensor)`` pairs.
             Parameters without ``requires_grad`` are ignored (one unfrozen later is an error); a tensor
             given twice (tied weights) is one parameter.
@@ -64,9 +65,8 @@ class MicrobatchAccumulator:
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
 
     Raises:
-        GradaggError: an invalid option; a DDP module that would broadcast buffers; an unsupported FSDP2
-            layout; DTensor parameters outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the
-            meta device.
+        GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
+            ``DDP(static_graph=True)``; a parameter on the meta device.
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)

@@ -34,6 +34,8 @@ def finish(state: State) -> Ledger:
     """:meth:`MicrobatchAccumulator.finish` after its argument checks (see there)."""
     _prepare(state)
     counts = _exchange(state)
+    if state.ddp is not None:  # every rank exchanged, whatever its count: the next window starts with rank 0's
+        state.ddp.sync_buffers()
     _raise_if_any_failed(state, counts)
     m = sum(counts.per_rank)
     if m == 0:

@@ -32,8 +32,6 @@ def open_window(state: State, *, empty: bool = False) -> None:
     w.open = True
     check_layout(state)
     check_params(state)
-    if state.ddp is not None:
-        state.ddp.on_window_open()
     if state.fsdp is not None:
         for name, t in state.fsdp.unshard().items():
             i = state.names.index(name)

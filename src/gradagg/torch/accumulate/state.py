@@ -133,7 +133,7 @@ def build(
             f"parameter {meta!r} is on the meta device: it holds no values, so no gradient of it can be summed; "
             "materialise the model first (model.to_empty(device=...) and initialise it), then build the accumulator"
         )
-    ddp = DdpHold(params.ddp) if params.ddp is not None else None
+    ddp = DdpHold(params.ddp, group) if params.ddp is not None else None
     fsdp_side = _fsdp_side(params, fsdp, group)
     if not (pad is None or pad == "replay" or callable(pad)):
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
