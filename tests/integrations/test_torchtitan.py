@@ -31,7 +31,7 @@ WORLD: dict[str, Any] = {"collective_timeout_s": 60.0, "timeout_s": 300.0, "prel
 # each) of the largest gradient at most; seen <= 6e-7. The mistakes it must catch are far larger: bf16 compute
 # (torchtitan's default) 6e-3, a clip skipped 3.0.
 TOL = 1e-5
-CORE = "core: CheckpointWrapper's names (_checkpoint_wrapped_module.) and zero_grad(set_to_none=False) between windows"
+CORE = "core: zero_grad(set_to_none=False) between windows"
 CLIP = "core: a clip before finish() (attach on torchtitan's OptimizersContainer) made right or refused"
 # (backend, activation checkpointing, zero_grad(set_to_none=True), ChunkedLossWrapper): torchtitan's defaults are
 # AC on, set_to_none=False (CUDA graphs on) and, in the llama3 configs, the chunked loss.
@@ -113,9 +113,9 @@ def test_accumulator_on_torchtitan_fsdp2_without_checkpointing(today: dict[str, 
     _exact_case(today, "plain")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE)
 def test_accumulator_on_activation_checkpointed_blocks(today: dict[str, dict[str, Any]]) -> None:
-    """Today: 'still a DTensor after every FSDP module unsharded' (the names CheckpointWrapper strips)."""
+    """Checkpointed blocks (once refused as 'still a DTensor after every FSDP module unsharded': the accumulator
+    looked the unsharded parameters up by the names CheckpointWrapper strips)."""
     _exact_case(today, "activation checkpointing")
 
 
@@ -125,7 +125,6 @@ def test_accumulator_on_the_full_dtensor_backend(today: dict[str, dict[str, Any]
     _exact_case(today, "full_dtensor")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE)
 def test_accumulator_on_full_dtensor_with_activation_checkpointing(today: dict[str, dict[str, Any]]) -> None:
     """torchtitan's defaults for a DTensor run: checkpointed blocks on the full_dtensor backend."""
     _exact_case(today, "full_dtensor, activation checkpointing")
