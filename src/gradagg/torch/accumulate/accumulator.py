@@ -118,7 +118,8 @@ class MicrobatchAccumulator:
             A context manager.
 
         Raises:
-            WindowError: nested microbatches; a gradient present before the window opened.
+            WindowError: nested microbatches (a non-zero gradient present as the window opens is refused by
+                :meth:`finish`, on every rank).
             GradaggError: a weight that is not a real number or 0-dim real tensor.
         """
         st = self._open_state()
@@ -231,7 +232,8 @@ class MicrobatchAccumulator:
             WindowError: on every rank, when any rank's window is poisoned (a microbatch raised
                 mid-backward, a backward outside ``microbatch()``, an invalid weight, weighted and
                 unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
-                outside a microbatch) or had gradients before it opened; when M = 0, or the total weight is 0 or
+                outside a microbatch) or had non-zero gradients before it opened (exact zeros, a
+                ``zero_grad(set_to_none=False)``'s leftovers, count as absent); when M = 0, or the total weight is 0 or
                 beyond what the gradients' dtype can be divided by; when called inside a microbatch.
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
             CollectiveError: the ranks' parameter lists differ; a collective failed or timed out.
