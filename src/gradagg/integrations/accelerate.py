@@ -34,7 +34,6 @@ Accelerate is imported by the caller; this module imports it only for type names
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,7 +102,8 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
     Raises:
         GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; DeepSpeed or Megatron-LM,
             which run their own backward and accumulation; several processes in the environment but no
-            process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``).
+            process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``: the accumulator's
+            own check, see :func:`gradagg.torch.collectives.check_launcher_world`).
     """
     _check_accelerator(accelerator)
     inner = getattr(optimizer, "optimizer", None)
@@ -121,13 +121,6 @@ def _check_accelerator(accelerator: Any) -> None:
     kind = str(getattr(accelerator, "distributed_type", ""))
     if "DEEPSPEED" in kind or "MEGATRON" in kind:
         raise GradaggError(f"exact(accelerator, ...): {kind} runs its own backward and accumulation; not supported")
-    processes = int(getattr(accelerator, "num_processes", 1))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and processes == 1:
-        raise GradaggError(
-            f"exact(accelerator, ...): WORLD_SIZE is {world} but the Accelerator runs one process (no process "
-            "group): each rank would train alone. On a CPU machine construct it with Accelerator(cpu=True)"
-        )
 
 
 __all__ = ["AcceleratedAccumulator", "exact"]

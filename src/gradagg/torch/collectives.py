@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError, first_line
+from gradagg.errors import CollectiveError, GradaggError, first_line
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 
@@ -101,6 +102,32 @@ def is_distributed(group: Group = None) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size(group) > 1  # -1 on a rank outside the group
+
+
+def check_launcher_world(what: str) -> None:
+    """Refuse a launcher's world without a process group: ``WORLD_SIZE`` > 1 in the environment, no group.
+
+    A launcher (``torchrun``, ``accelerate launch``) started several processes, but nobody called
+    ``init_process_group``: every collective would then run as one process, each rank accumulating its own
+    gradients alone, silently. A ``WORLD_SIZE`` that is not an integer is no launcher's and is left alone.
+
+    Args:
+        what: what is being built, for the message (e.g. ``"MicrobatchAccumulator"``).
+
+    Raises:
+        GradaggError: naming ``WORLD_SIZE`` and the fix.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise GradaggError(
+            f"{what}: WORLD_SIZE is {world} in the environment (a launcher started {world} processes) but "
+            "torch.distributed has no process group, so each rank would accumulate alone, silently; call "
+            "torch.distributed.init_process_group() before building it (under Accelerate on a CPU machine: "
+            "Accelerator(cpu=True), which joins the launcher's world)"
+        )
 
 
 def get_rank(group: Group = None) -> int:

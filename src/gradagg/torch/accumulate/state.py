@@ -24,7 +24,7 @@ from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params, ParamSource
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
-from gradagg.torch.collectives import Group, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import Group, check_launcher_world, device_for, get_rank, get_world_size
 
 _BYTES_PER_MB = 2**20
 Pad = Callable[[], torch.Tensor] | Literal["replay"] | None  # see gradagg.torch.accumulate.padding
@@ -121,9 +121,11 @@ def build(
     """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.hooks.install`).
 
     Raises:
-        GradaggError: ``bucket_mb`` not a positive number; an invalid ``fsdp`` or ``pad``; DTensors without their
-            module; a parameter on the meta device; the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+        GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; ``bucket_mb`` not a positive
+            number; an invalid ``fsdp`` or ``pad``; DTensors without their module; a parameter on the meta device;
+            the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
     """
+    check_launcher_world("MicrobatchAccumulator")
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     params = Params.collect(source)
