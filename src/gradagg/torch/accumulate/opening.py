@@ -50,9 +50,9 @@ def open_window(state: State, *, empty: bool = False) -> None:
 
 
 def install(state: State) -> None:
-    """Hook every parameter (:func:`gradagg.torch.accumulate.hooks.install`'s, padding-aware): plain ones take
-    their gradient into the buffer; under the shards form, FSDP hands its reduced shards to the sharded ones;
-    register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
+    """Hook every parameter: plain ones take their gradient into the buffer (:func:`taken`: not a padding
+    microbatch's); under the shards form, FSDP hands its reduced shards to the sharded ones; register the
+    accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
     state.extra_hooks.append(guard.register(state))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:

@@ -118,7 +118,7 @@ class State:
 def build(
     source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float, pad: Pad = "replay"
 ) -> State:
-    """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.hooks.install`).
+    """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.opening.install`).
 
     Raises:
         GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; ``bucket_mb`` not a positive
