@@ -62,7 +62,11 @@ class DdpHold:
         setattr(ddp, self._option, False)  # DDP's forward broadcasts nothing while held; sync_buffers() does
         self._held: contextlib.AbstractContextManager[Any] | None = ddp.no_sync()
         self._held.__enter__()
-        self.sync_buffers()
+        try:
+            self.sync_buffers()
+        except BaseException:
+            self.release()  # a failed broadcast leaves DDP as it was
+            raise
 
     def sync_buffers(self) -> None:
         """Broadcast the buffers DDP would sync from the group's rank 0 (nothing if DDP was built not to).

@@ -135,10 +135,11 @@ def build(
             f"parameter {meta!r} is on the meta device: it holds no values, so no gradient of it can be summed; "
             "materialise the model first (model.to_empty(device=...) and initialise it), then build the accumulator"
         )
-    ddp = DdpHold(params.ddp, group) if params.ddp is not None else None
-    fsdp_side = _fsdp_side(params, fsdp, group)
     if not (pad is None or pad == "replay" or callable(pad)):
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
+    fsdp_side = _fsdp_side(params, fsdp, group)
+    # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
+    ddp = DdpHold(params.ddp, group) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
     state.pad = pad
     return state
