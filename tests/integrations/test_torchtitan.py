@@ -7,9 +7,6 @@ prompts and padding -100), token counts different on every rank and window, the 
 2 and 1, the data ending unevenly). Each step's applied gradient is compared with the float64 one-process token mean
 over exactly the sequences the window consumed, at the parameters of that step, clipped as torch clips
 (max_norm 0.1, below every window's norm, so every step clips).
-
-The xfail(strict=True) cases are what gradagg does wrong on torchtitan's model today (issue 14); the fixes on
-the ``core`` and ``fsdp`` branches flip them, and strictness then asks for the marker to go.
 """
 
 from __future__ import annotations
@@ -31,8 +28,6 @@ WORLD: dict[str, Any] = {"collective_timeout_s": 60.0, "timeout_s": 300.0, "prel
 # each) of the largest gradient at most; seen <= 6e-7. The mistakes it must catch are far larger: bf16 compute
 # (torchtitan's default) 6e-3, a clip skipped 3.0.
 TOL = 1e-5
-CORE = "core: CheckpointWrapper's names (_checkpoint_wrapped_module.) and zero_grad(set_to_none=False) between windows"
-CLIP = "core: a clip before finish() (attach on torchtitan's OptimizersContainer) made right or refused"
 # (backend, activation checkpointing, zero_grad(set_to_none=True), ChunkedLossWrapper): torchtitan's defaults are
 # AC on, set_to_none=False (CUDA graphs on) and, in the llama3 configs, the chunked loss.
 CONFIGS = [("partial_dtensor", False, True, False), ("full_dtensor", False, True, False),
@@ -76,13 +71,7 @@ def test_torchtitan_own_train_step_is_exact(runs: list[dict[str, Any]]) -> None:
         _check_steps(runs[0][key]["own"], 3, logged_loss_scale=2 if backend == "full_dtensor" else 1)
 
 
-def _marks(config: tuple[str, bool, bool, bool]) -> list[Any]:
-    _, ac, set_to_none, _ = config
-    reasons = [CORE] if ac or not set_to_none else []
-    return [pytest.mark.xfail(strict=True, reason="; ".join(reasons))] if reasons else []
-
-
-@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(c)) for k, c in zip(KEYS, CONFIGS, strict=True)])
+@pytest.mark.parametrize("key", KEYS)
 def test_example_counts_as_the_window_runs_and_agrees_with_torchtitan(runs: list[dict[str, Any]], key: str) -> None:
     """examples/torchtitan_exact.py on the same data as torchtitan's own step: both at the truth, within TOL of each
     other; the short last window exact; training ends after it (DataloaderExhaustedError at step 3) on every rank."""
@@ -92,7 +81,7 @@ def test_example_counts_as_the_window_runs_and_agrees_with_torchtitan(runs: list
     assert [r[key]["exact"]["ended"] for r in runs] == [3, 3]
 
 
-@pytest.mark.parametrize("key", [pytest.param(k, marks=_marks(c)) for k, c in zip(KEYS, CONFIGS, strict=True)])
+@pytest.mark.parametrize("key", KEYS)
 def test_example_is_exact_when_the_data_ends_unevenly(runs: list[dict[str, Any]], key: str) -> None:
     """Rank 1's data ends one microbatch early (last window 2 and 1, which torchtitan's own step cannot run): exact,
     and both ranks end training after that window. Rank 1 pads the last round with its last microbatch through
@@ -113,9 +102,9 @@ def test_accumulator_on_torchtitan_fsdp2_without_checkpointing(today: dict[str, 
     _exact_case(today, "plain")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE)
 def test_accumulator_on_activation_checkpointed_blocks(today: dict[str, dict[str, Any]]) -> None:
-    """Today: 'still a DTensor after every FSDP module unsharded' (the names CheckpointWrapper strips)."""
+    """Checkpointed blocks (once refused as 'still a DTensor after every FSDP module unsharded': the accumulator
+    looked the unsharded parameters up by the names CheckpointWrapper strips)."""
     _exact_case(today, "activation checkpointing")
 
 
@@ -125,15 +114,14 @@ def test_accumulator_on_the_full_dtensor_backend(today: dict[str, dict[str, Any]
     _exact_case(today, "full_dtensor")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE)
 def test_accumulator_on_full_dtensor_with_activation_checkpointing(today: dict[str, dict[str, Any]]) -> None:
     """torchtitan's defaults for a DTensor run: checkpointed blocks on the full_dtensor backend."""
     _exact_case(today, "full_dtensor, activation checkpointing")
 
 
-@pytest.mark.xfail(strict=True, reason=CORE)
 def test_accumulator_after_torchtitan_zero_grad_set_to_none_false(today: dict[str, dict[str, Any]]) -> None:
-    """Today: WindowError 'already has a gradient when the accumulation window opens' on the second window."""
+    """Two windows with torchtitan's zero_grad(set_to_none=False) between them: its exact zeros count as absent (once
+    refused as 'already has a gradient when the accumulation window opens')."""
     _exact_case(today, "zero_grad(set_to_none=False)")
 
 

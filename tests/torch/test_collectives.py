@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from gradagg.testing import run_local_world
 from tests.torch.workers import groups
@@ -39,3 +42,34 @@ def test_only_the_issuer_calls_torch_distributed_collectives() -> None:
     assert "all_reduce_max" not in body
     issued = [m.start() for m in COLLECTIVE.finditer(body)]
     assert issued and body.count("_collective(") >= 5  # the definition and one call per tensor/object wrapper
+
+
+@pytest.mark.parametrize("build", ["microbatch", "pipeline"])
+def test_a_launcher_world_without_a_process_group_is_refused(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
+    """WORLD_SIZE 2 in the environment (a launcher started two processes) but no process group: each rank would
+    accumulate alone, silently; both accumulators refuse when built, naming WORLD_SIZE and the fix."""
+    import torch
+
+    from gradagg.errors import GradaggError
+    from gradagg.torch import MicrobatchAccumulator, PipelineAccumulator
+
+    stage = SimpleNamespace(group=None, is_last=True, submod=torch.nn.Linear(1, 1), stage_index=0)
+
+    def make() -> object:
+        if build == "microbatch":
+            return MicrobatchAccumulator(torch.nn.Linear(1, 1))
+        return PipelineAccumulator(stage, dp_group=None)
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(GradaggError, match=r"WORLD_SIZE is 2 .*init_process_group.*Accelerator\(cpu=True\)"):
+        make()
+    for fine in ("1", "0", "two"):  # one process; no launcher's number: nothing to refuse
+        monkeypatch.setenv("WORLD_SIZE", fine)
+        make()
+    monkeypatch.delenv("WORLD_SIZE")
+    make()
+
+
+def test_a_launcher_world_with_its_process_group_runs() -> None:
+    """The ranks of a real world with WORLD_SIZE set (as torchrun sets it): built and finished as usual."""
+    assert run_local_world(groups.launcher_world, 2, **WORLD) == [2.0, 2.0]

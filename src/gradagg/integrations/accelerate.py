@@ -23,6 +23,8 @@ What it changes, and why:
   ``accelerator.sync_gradients`` is set, the step Accelerate's own counter or the end of its prepared dataloader
   chooses: so ``accelerator.clip_grad_norm_`` and the optimizer see the finished gradient. The optimizer is
   attached (``acc.attach``): a step over a window still held finishes it first.
+* **the buffers**: Accelerate's DDP broadcasts them at its synchronised forwards; the accumulator keeps that
+  meaning itself (DDP's forward sync off while it holds DDP, one broadcast from rank 0 per window, in ``finish()``).
 * one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
   the microbatch would count with the divisor set to 1, and is refused.
 
@@ -32,7 +34,6 @@ Accelerate is imported by the caller; this module imports it only for type names
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +50,6 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
     """
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, **options: Any) -> None:
-        self._buffers = _take_buffer_sync(model)
         super().__init__(model, **options)
         self._accelerator = accelerator
 
@@ -63,8 +63,6 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
         """
         acc = self._accelerator
         step = acc.step
-        if self._buffers and not self.state.window.open:
-            _broadcast_buffers(self._buffers)
         with _undivided(acc), super().microbatch(weight, last=last or bool(acc.sync_gradients)):
             yield
         if acc.step != step:
@@ -74,34 +72,6 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
             )
         if acc.sync_gradients:
             self.finish()
-
-    def close(self) -> None:
-        """As :meth:`MicrobatchAccumulator.close`; DDP broadcasts its buffers at each forward again."""
-        super().close()
-        _give_buffer_sync(self.state.ddp.ddp if self.state.ddp is not None else None, self._buffers)
-        self._buffers = []
-
-
-def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Accelerate's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
-    refuses. Temporary, until the accumulator keeps that broadcast itself: DDP's is turned off and this module
-    broadcasts them once per window instead, from rank 0, as the window's first microbatch opens (every rank
-    runs the same number of microbatches under Accelerate's step counter, so the broadcasts match)."""
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if not isinstance(model, ddp) or not getattr(model, "forward_sync_buffers", False):
-        return []
-    model.forward_sync_buffers = False
-    return list(model.module.buffers())
-
-
-def _give_buffer_sync(model: torch.nn.parallel.DistributedDataParallel | None, buffers: list[torch.Tensor]) -> None:
-    if buffers and model is not None:
-        model.forward_sync_buffers = True
-
-
-def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
-    for b in buffers:
-        torch.distributed.broadcast(b, src=0)
 
 
 @contextlib.contextmanager
@@ -132,7 +102,8 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
     Raises:
         GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; DeepSpeed or Megatron-LM,
             which run their own backward and accumulation; several processes in the environment but no
-            process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``).
+            process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``: the accumulator's
+            own check, see :func:`gradagg.torch.collectives.check_launcher_world`).
     """
     _check_accelerator(accelerator)
     inner = getattr(optimizer, "optimizer", None)
@@ -150,13 +121,6 @@ def _check_accelerator(accelerator: Any) -> None:
     kind = str(getattr(accelerator, "distributed_type", ""))
     if "DEEPSPEED" in kind or "MEGATRON" in kind:
         raise GradaggError(f"exact(accelerator, ...): {kind} runs its own backward and accumulation; not supported")
-    processes = int(getattr(accelerator, "num_processes", 1))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and processes == 1:
-        raise GradaggError(
-            f"exact(accelerator, ...): WORLD_SIZE is {world} but the Accelerator runs one process (no process "
-            "group): each rank would train alone. On a CPU machine construct it with Accelerator(cpu=True)"
-        )
 
 
 __all__ = ["AcceleratedAccumulator", "exact"]

@@ -22,7 +22,8 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
 * the weight comes from the dict ``training_step`` returns (read by a thin wrapper around it, installed
   for the fit and removed after), or from ``weight=fn``.
 
-Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``) and
+Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``, and keeps its buffer
+broadcast itself: one from rank 0 per window, in ``finish()``) and
 ``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2). Lightning is imported
 only when this module is.
 """
@@ -61,7 +62,6 @@ class ExactAccumulation(Callback):
         self._acc: MicrobatchAccumulator | None = None
         self._weight: object = None
         self._open: contextlib.AbstractContextManager[None] | None = None
-        self._buffers: list[torch.Tensor] = []
         self._batch_idx = -1
 
     @property
@@ -76,7 +76,6 @@ class ExactAccumulation(Callback):
         model = trainer.strategy.model
         if model is None:
             raise GradaggError(f"ExactAccumulation: {type(trainer.strategy).__name__} has no model at fit start")
-        self._buffers = _take_buffer_sync(model)
         self._acc = MicrobatchAccumulator(model, **self._options)
         # attached, so that the step (its closure runs the window's last backward) is known to finish the window;
         # on_before_optimizer_step finishes it already, inside that closure and before Lightning clips
@@ -85,8 +84,6 @@ class ExactAccumulation(Callback):
             _wrap_training_step(pl_module, self._take_output)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._buffers and not self.accumulator.state.window.open:
-            _broadcast_buffers(self._buffers)  # once per window, before its first forward (as DDP would)
         self._batch_idx = batch_idx
         self._weight = None if self._weight_fn is None else self._weight_fn(batch, batch_idx)
 
@@ -130,11 +127,8 @@ class ExactAccumulation(Callback):
     def _end(self, pl_module: LightningModule) -> None:
         pl_module.__dict__.pop("training_step", None)
         if self._acc is not None:
-            ddp = self._acc.state.ddp
-            self._acc.close()
-            if ddp is not None and self._buffers:
-                ddp.ddp.forward_sync_buffers = True  # DDP broadcasts its buffers at each forward again
-        self._acc, self._buffers = None, []
+            self._acc.close()  # DDP's buffer broadcast at each forward comes back with it
+        self._acc = None
 
 
 def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
@@ -167,23 +161,6 @@ def _wrap_training_step(pl_module: LightningModule, take: Callable[[Any], None])
         return out
 
     pl_module.__dict__["training_step"] = training_step
-
-
-def _take_buffer_sync(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Lightning's DDP broadcasts buffers at every synchronised forward, which the accumulator (as it stands)
-    refuses. Temporary, until the accumulator keeps that broadcast itself: DDP's is turned off and this callback
-    broadcasts them once per window instead, from rank 0, before the window's first forward (every rank runs
-    the same number of batches under Lightning's distributed sampler, so the broadcasts match)."""
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if not isinstance(model, ddp) or not getattr(model, "forward_sync_buffers", False):
-        return []
-    model.forward_sync_buffers = False
-    return list(model.module.buffers())
-
-
-def _broadcast_buffers(buffers: list[torch.Tensor]) -> None:
-    for b in buffers:
-        torch.distributed.broadcast(b, src=0)
 
 
 __all__ = ["ExactAccumulation"]

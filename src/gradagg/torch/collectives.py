@@ -3,7 +3,7 @@
 Every collective gradagg issues goes through one private function, :func:`_collective`
 (torchtitan's ``_dist_reduce_tensor`` plays that part there); the named wrappers
 (:func:`all_reduce_sum`, :func:`all_reduce_sum_async`, :func:`reduce_scatter_sum_async`,
-:func:`all_gather_into`, :func:`all_gather_object`) only say what to call and what the
+:func:`all_gather_into`, :func:`all_gather_object`, :func:`broadcast_from_first`) only say what to call and what the
 operation means on one rank, so that
 
 * one code path serves one process and many: ``group=None`` means what it means
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError, first_line
+from gradagg.errors import CollectiveError, GradaggError, first_line
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 
@@ -101,6 +102,32 @@ def is_distributed(group: Group = None) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
     return dist.get_world_size(group) > 1  # -1 on a rank outside the group
+
+
+def check_launcher_world(what: str) -> None:
+    """Refuse a launcher's world without a process group: ``WORLD_SIZE`` > 1 in the environment, no group.
+
+    A launcher (``torchrun``, ``accelerate launch``) started several processes, but nobody called
+    ``init_process_group``: every collective would then run as one process, each rank accumulating its own
+    gradients alone, silently. A ``WORLD_SIZE`` that is not an integer is no launcher's and is left alone.
+
+    Args:
+        what: what is being built, for the message (e.g. ``"MicrobatchAccumulator"``).
+
+    Raises:
+        GradaggError: naming ``WORLD_SIZE`` and the fix.
+    """
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise GradaggError(
+            f"{what}: WORLD_SIZE is {world} in the environment (a launcher started {world} processes) but "
+            "torch.distributed has no process group, so each rank would accumulate alone, silently; call "
+            "torch.distributed.init_process_group() before building it (under Accelerate on a CPU machine: "
+            "Accelerator(cpu=True), which joins the launcher's world)"
+        )
 
 
 def get_rank(group: Group = None) -> int:
@@ -295,6 +322,32 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: Group = N
     _collective("all_gather", _elements(tensor), tensor.numel(), group, lambda: gather(output, tensor, group=group),
                 lambda: output.copy_(tensor))
     return output
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank of ``group`` with the value it has on the group's rank 0, in place.
+
+    Args:
+        tensor: contiguous, on :func:`device_for` ``(group)``; same shape and dtype on every rank.
+        group: a process group, or None for the default one.
+
+    Returns:
+        ``tensor`` (unchanged with no process group: rank 0 is this process).
+
+    Raises:
+        CollectiveError: the collective failed or timed out.
+
+    >>> broadcast_from_first(torch.tensor([7.0]))
+    tensor([7.])
+    """
+
+    def issue() -> None:
+        # dist.broadcast takes a global rank as its source: the group's rank 0, translated
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast(tensor, src=src, group=group)
+
+    _collective("broadcast", _elements(tensor), tensor.numel(), group, issue, lambda: None)
+    return tensor
 
 
 def all_gather_object(obj: object, group: Group = None) -> list[object]:

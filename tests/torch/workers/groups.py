@@ -28,3 +28,18 @@ def groups_world() -> dict[str, Any]:
             "counted": c.total,
         }
     return out
+
+
+def launcher_world() -> float:
+    """WORLD_SIZE set as torchrun sets it, the group initialised: the accumulator builds and sums over both ranks."""
+    import os
+
+    from gradagg.torch import MicrobatchAccumulator
+
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())  # this rank's process only (each rank is its own)
+    p = torch.zeros(1, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    with acc.microbatch(weight=1):
+        (p * 2.0).sum().backward()
+    acc.finish()
+    return float(p.grad)  # type: ignore[arg-type]

@@ -11,7 +11,9 @@ all the window's weights on all ranks (back-propagate the *sum*-reduced loss and
 by its number of valid tokens: the result is the gradient of the global token mean); or 1, when the loss
 terms were divided by global divisors counted ahead (:meth:`~MicrobatchAccumulator.divisors`). A
 parameter absent from a microbatch contributes zero and still counts; one absent from every microbatch on
-every rank keeps ``grad is None``. Participation is reported in the :class:`Ledger`, never a divisor.
+every rank keeps ``grad is None``. Gradients that are exactly zero as a window opens
+(``zero_grad(set_to_none=False)``) are absent, set to None; any other gradient then present is refused.
+Participation is reported in the :class:`Ledger`, never a divisor.
 
 How: a post-accumulate-grad hook on every parameter (under FSDP2, on the unsharded one) moves each
 microbatch's gradient into one flat buffer, in buckets, and leaves ``.grad`` None until the window ends

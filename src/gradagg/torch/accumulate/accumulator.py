@@ -44,7 +44,8 @@ class MicrobatchAccumulator:
 
     Args:
         module_or_params: a module (its ``named_parameters()``); a ``DistributedDataParallel`` module (kept
-            in ``no_sync()`` while attached, see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
+            in ``no_sync()`` while attached, its buffers broadcast from rank 0 once per window if DDP syncs them,
+            see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
             applied (FSDP2 or HSDP, see :mod:`gradagg.torch.accumulate.fsdp`); tensors; or ``(name, tensor)`` pairs.
             Parameters without ``requires_grad`` are ignored (one unfrozen later is an error); a tensor
             given twice (tied weights) is one parameter.
@@ -64,9 +65,8 @@ class MicrobatchAccumulator:
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
 
     Raises:
-        GradaggError: an invalid option; a DDP module that would broadcast buffers; an unsupported FSDP2
-            layout; DTensor parameters outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the
-            meta device.
+        GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
+            ``DDP(static_graph=True)``; a parameter on the meta device.
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -118,7 +118,8 @@ class MicrobatchAccumulator:
             A context manager.
 
         Raises:
-            WindowError: nested microbatches; a gradient present before the window opened.
+            WindowError: nested microbatches (a non-zero gradient present as the window opens is refused by
+                :meth:`finish`, on every rank).
             GradaggError: a weight that is not a real number or 0-dim real tensor.
         """
         st = self._open_state()
@@ -231,7 +232,8 @@ class MicrobatchAccumulator:
             WindowError: on every rank, when any rank's window is poisoned (a microbatch raised
                 mid-backward, a backward outside ``microbatch()``, an invalid weight, weighted and
                 unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
-                outside a microbatch) or had gradients before it opened; when M = 0, or the total weight is 0 or
+                outside a microbatch) or had non-zero gradients before it opened (exact zeros, a
+                ``zero_grad(set_to_none=False)``'s leftovers, count as absent); when M = 0, or the total weight is 0 or
                 beyond what the gradients' dtype can be divided by; when called inside a microbatch.
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
             CollectiveError: the ranks' parameter lists differ; a collective failed or timed out.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, padding, shards, stale
+from gradagg.torch.accumulate import hooks, opening, padding, shards
 from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
@@ -18,7 +18,6 @@ from gradagg.torch.accumulate.window import (
     KEPT,
     OK,
     PEER,
-    STALE,
     STATUS_TEXT,
     WEIGHT,
     Window,
@@ -34,6 +33,8 @@ def finish(state: State) -> Ledger:
     """:meth:`MicrobatchAccumulator.finish` after its argument checks (see there)."""
     _prepare(state)
     counts = _exchange(state)
+    if state.ddp is not None:  # every rank exchanged, whatever its count: the next window starts with rank 0's
+        state.ddp.sync_buffers()
     _raise_if_any_failed(state, counts)
     m = sum(counts.per_rank)
     if m == 0:
@@ -73,10 +74,7 @@ def _prepare(state: State) -> None:
     """Open the window of a rank that ran no microbatch; record what only now can be checked."""
     w = state.window
     if not w.open:
-        held = stale.stale_param(state)
-        opening.open_window(state, empty=True)
-        if held is not None:
-            w.fail(STALE, f"parameter {held!r} has a gradient, yet this rank ran no microbatch (zero_grad skipped?)")
+        opening.open_window(state, empty=True)  # a stale gradient fails the window there
         padding.finish_rounds(state)  # a rank with none pads while the others still run theirs
     else:
         padding.finish_rounds(state)

@@ -86,7 +86,6 @@ class FsdpParams:
 
         self.root, self.names, self.params, self.mode = root, names, params, check_mode(mode)
         self.modules: list[Any] = [m for m in root.modules() if isinstance(m, FSDPModule)]
-        self._prefixes = {id(m): name for name, m in root.named_modules()}  # a module's name, for its parameters
         if not self.modules:
             raise GradaggError(
                 f"parameter {names[0]!r} is a DTensor ({_where(params[0])}) but no module under the one given was "
@@ -103,6 +102,7 @@ class FsdpParams:
         if self.mesh.size() != world:
             raise GradaggError(f"the FSDP mesh spans {self.mesh.size()} ranks, the accumulator's group {world}")
         self._check_local_shapes()
+        self._holders = self._find_holders()
         self._configure()
 
     def _check_placements(self) -> None:
@@ -146,6 +146,31 @@ class FsdpParams:
                 m.set_force_sum_reduction_for_comms(True)
                 m.set_reduce_scatter_unused_params(True, recurse=False)
 
+    def _find_holders(self) -> list[list[tuple[int, nn.Module, str]]]:
+        """Per FSDP module, the sharded parameters it manages: (index, the module that holds it, its attribute).
+
+        Found by identity among each submodule's own parameters (``named_parameters(recurse=False)``) down to the
+        nested FSDP modules, never by dotted name: wrappers rename parameters (``CheckpointWrapper.named_parameters``,
+        torchtitan's activation checkpointing, drops ``_checkpoint_wrapped_module.``, which the root's names keep),
+        while the holder's attribute is where FSDP swaps the sharded and unsharded tensors.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        index = {id(p): j for j, p in enumerate(self.params)}
+        out: list[list[tuple[int, nn.Module, str]]] = []
+        for m in self.modules:
+            held: list[tuple[int, nn.Module, str]] = []
+            stack, seen = [m], set()
+            while stack:
+                sub = stack.pop()
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                held += [(index[id(p)], sub, a) for a, p in sub.named_parameters(recurse=False) if id(p) in index]
+                stack += [c for c in sub.children() if not isinstance(c, FSDPModule)]
+            out.append(held)
+        return out
+
     def unshard(self) -> dict[str, torch.Tensor]:
         """Unshard every FSDP module (the same all-gathers, in module order, on every rank).
 
@@ -159,21 +184,22 @@ class FsdpParams:
         Raises:
             GradaggError: a parameter is still a DTensor after unsharding.
         """
-        now: dict[str, torch.Tensor] = {}
+        now: dict[int, torch.Tensor] = {}
         shards = {id(p) for p in self.params}
-        for m in self.modules:
+        for m, held in zip(self.modules, self._holders):
             m.unshard()
-            for name, t in m.named_parameters(prefix=self._prefixes[id(m)]):
-                # its own parameters, now other objects; nested FSDP modules' are still the shards. Told apart by
-                # identity, not by type: under torchtitan's full_dtensor backend (fully_shard with dp_mesh_dims)
-                # the unsharded parameters are DTensors too, Replicate() on the data-parallel mesh dimensions
+            for j, holder, attr in held:
+                # the tensor FSDP registers there now: an unsharded parameter, another object than the shard.
+                # Told apart by identity, not by type: under torchtitan's full_dtensor backend (fully_shard with
+                # dp_mesh_dims) the unsharded parameters are DTensors too, Replicate() on the data-parallel dims
+                t = getattr(holder, attr)
                 if id(t) not in shards:
-                    now.setdefault(name, t)
+                    now.setdefault(j, t)
             if self.mode == "shards":
                 m.reshard()
         out: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.names, self.params):
-            t = now.get(name)
+        for j, (name, p) in enumerate(zip(self.names, self.params)):
+            t = now.get(j)
             if t is None:
                 raise GradaggError(
                     f"parameter {name!r} ({_where(p)}) is still a DTensor after every FSDP module unsharded: no "

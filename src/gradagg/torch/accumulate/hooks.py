@@ -14,23 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from gradagg.torch import guard
-from gradagg.torch.accumulate import shards
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import HAND_SET, LATE, OUTSIDE, UNSUPPORTED
 
 OnGrad = Callable[[State, int, torch.Tensor], None]
-
-
-def install(state: State) -> None:
-    """Hook every parameter (under FSDP2: the sharded ones only in every_microbatch form, see :mod:`.fsdp`);
-    register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
-    state.extra_hooks.append(guard.register(state))
-    for i, t in enumerate(state.tensors):
-        if i not in state.sharded:
-            hook(state, t, i, on_grad)
-        elif state.every_microbatch():
-            hook(state, t, i, shards.on_shard)  # FSDP calls it with each microbatch's reduced shard
 
 
 def hook(state: State, t: torch.Tensor, i: int, on: OnGrad) -> None:
@@ -105,4 +92,4 @@ def refuse_hand_set(state: State, where: str) -> None:
         state.window.fail(HAND_SET, f"parameter {name!r} has a .grad set by hand {where}: no microbatch counts it")
 
 
-__all__ = ["hook", "hooked_grads", "install", "on_grad", "refuse_hand_set", "take_hand_set"]
+__all__ = ["hook", "hooked_grads", "on_grad", "refuse_hand_set", "take_hand_set"]

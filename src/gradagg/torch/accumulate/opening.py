@@ -9,7 +9,7 @@ from gradagg.torch import guard
 from gradagg.torch.accumulate import hooks, shards, stale
 from gradagg.torch.accumulate.buckets import Groups, Sender
 from gradagg.torch.accumulate.state import State
-from gradagg.torch.accumulate.window import CHANGED
+from gradagg.torch.accumulate.window import CHANGED, STALE
 from gradagg.torch.collectives import check_same_on_all_ranks, get_world_size
 from gradagg.torch.placements import dtype_name
 
@@ -17,23 +17,24 @@ from gradagg.torch.placements import dtype_name
 def open_window(state: State, *, empty: bool = False) -> None:
     """Open a window: check the parameters, unshard under FSDP2, allocate the buffer, reset the counters.
 
+    Gradients present as it opens are a zeroing's leftovers if exactly zero (set to None), else a stale
+    contribution: the window is refused in ``finish()``, on every rank (see :mod:`.stale`).
+
     Args:
         state: the accumulator.
-        empty: opened by ``finish()`` on a rank that ran no microbatch (a stale gradient is reported there).
+        empty: opened by ``finish()`` on a rank that ran no microbatch.
 
     Raises:
-        WindowError: a parameter already has a gradient (not ``empty``).
         CollectiveError: the ranks accumulate different parameters (every rank).
         GradaggError: unnamed parameters that cannot be told apart across ranks (every rank).
     """
-    if not empty:
-        stale.refuse_stale(state)
     w = state.window
+    held = stale.take_zeroed(state)
+    if held is not None:
+        w.fail(STALE, stale.why(held, empty))
     w.open = True
     check_layout(state)
     check_params(state)
-    if state.ddp is not None:
-        state.ddp.on_window_open()
     if state.fsdp is not None:
         for name, t in state.fsdp.unshard().items():
             i = state.names.index(name)
@@ -49,9 +50,9 @@ def open_window(state: State, *, empty: bool = False) -> None:
 
 
 def install(state: State) -> None:
-    """Hook every parameter (:func:`gradagg.torch.accumulate.hooks.install`'s, padding-aware): plain ones take
-    their gradient into the buffer; under the shards form, FSDP hands its reduced shards to the sharded ones;
-    register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
+    """Hook every parameter: plain ones take their gradient into the buffer (:func:`taken`: not a padding
+    microbatch's); under the shards form, FSDP hands its reduced shards to the sharded ones; register the
+    accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
     state.extra_hooks.append(guard.register(state))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:

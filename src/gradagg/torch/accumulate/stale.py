@@ -1,30 +1,62 @@
-"""Gradients present when a window opens: a stale ``.grad`` would be summed into the next window's."""
+"""Gradients present when a window opens: zeros left by a zeroing are absent; anything else is refused.
+
+``optimizer.zero_grad(set_to_none=False)`` (torchtitan's default while CUDA graphs are on) leaves every gradient
+allocated and exactly zero. Such a gradient is no contribution: it is set to None as the window opens and the
+window runs as after ``zero_grad()`` (adding an exact zero would not change the sum either). A gradient with any
+other value (non-zero, NaN included) would be summed into the window's: the window is refused, on every rank.
+The refusal is not raised where it is found: the rank that found it might be the only one that opens its window
+before ``finish()`` (the others running no microbatch), and its peers would wait for it in their collectives.
+It travels instead as the ``STALE`` status in the window's collective, so ``finish()`` raises on every rank,
+naming the parameter on the rank that held it.
+"""
 
 from __future__ import annotations
 
-from gradagg.errors import WindowError
+import torch
+
 from gradagg.torch.accumulate.state import State
+from gradagg.torch.placements import local_tensor
 
 
-def stale_param(state: State) -> str | None:
-    """The first parameter (or unsharded one) that holds a gradient, or None."""
-    tensors = [(state.names[i], t) for i, t in enumerate(state.tensors)]
-    tensors += [(state.names[i], t) for i, t in state.unsharded.items()]
-    return next((n for n, t in tensors if t.grad is not None), None)
+def take_zeroed(state: State) -> str | None:
+    """Set every gradient present to None if all are exactly zero; else return the first non-zero one's name.
 
-
-def refuse_stale(state: State) -> None:
-    """Raise if a parameter holds a gradient as a window opens on a rank that runs a microbatch.
-
-    Raises:
-        WindowError: naming the parameter.
+    Checked on this rank's piece (an FSDP2 gradient's local shard: a DTensor's other shards live on other ranks,
+    which check theirs). Nothing is changed when one is non-zero: the window will be refused.
     """
-    name = stale_param(state)
-    if name is not None:
-        raise WindowError(
-            f"parameter {name!r} already has a gradient when the accumulation window opens; "
-            "zero the gradients with optimizer.zero_grad() (set_to_none=True) after each step"
-        )
+    held = [(state.names[i], t) for i, t in enumerate(state.tensors) if t.grad is not None]
+    held += [(state.names[i], t) for i, t in state.unsharded.items() if t.grad is not None]
+    if not held:
+        return None
+    nonzero = _nonzero([local_tensor(t.grad) for _, t in held])  # type: ignore[arg-type]
+    first = next((name for (name, _), nz in zip(held, nonzero) if nz), None)
+    if first is None:
+        for _, t in held:
+            t.grad = None
+    return first
 
 
-__all__ = ["refuse_stale", "stale_param"]
+def _nonzero(grads: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds anything but zeros (NaN is not zero): one device read per device, not per tensor."""
+    out: list[bool] = [True] * len(grads)  # a sparse gradient is never taken for a zeroing's leftover
+    by_device: dict[torch.device, list[int]] = {}
+    for k, g in enumerate(grads):
+        if g.layout == torch.strided:
+            by_device.setdefault(g.device, []).append(k)
+    for ks in by_device.values():
+        flags = torch.stack([grads[k].detach().ne(0).any() for k in ks]).tolist()
+        for k, flag in zip(ks, flags):
+            out[k] = bool(flag)
+    return out
+
+
+def why(name: str, empty: bool) -> str:
+    """The refusal's text on the rank that held the gradient."""
+    where = "yet this rank ran no microbatch" if empty else "when the accumulation window opens"
+    return (
+        f"parameter {name!r} already has a non-zero gradient {where}: it would be summed into this window's; "
+        "zero the gradients with optimizer.zero_grad() after each step (gradients zeroed in place count as absent)"
+    )
+
+
+__all__ = ["take_zeroed", "why"]

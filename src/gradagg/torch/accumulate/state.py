@@ -24,7 +24,7 @@ from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params, ParamSource
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
-from gradagg.torch.collectives import Group, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import Group, check_launcher_world, device_for, get_rank, get_world_size
 
 _BYTES_PER_MB = 2**20
 Pad = Callable[[], torch.Tensor] | Literal["replay"] | None  # see gradagg.torch.accumulate.padding
@@ -118,12 +118,14 @@ class State:
 def build(
     source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float, pad: Pad = "replay"
 ) -> State:
-    """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.hooks.install`).
+    """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.opening.install`).
 
     Raises:
-        GradaggError: ``bucket_mb`` not a positive number; an invalid ``fsdp`` or ``pad``; DTensors without their
-            module; a parameter on the meta device; the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+        GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; ``bucket_mb`` not a positive
+            number; an invalid ``fsdp`` or ``pad``; DTensors without their module; a parameter on the meta device;
+            the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
     """
+    check_launcher_world("MicrobatchAccumulator")
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     params = Params.collect(source)
@@ -133,10 +135,11 @@ def build(
             f"parameter {meta!r} is on the meta device: it holds no values, so no gradient of it can be summed; "
             "materialise the model first (model.to_empty(device=...) and initialise it), then build the accumulator"
         )
-    ddp = DdpHold(params.ddp) if params.ddp is not None else None
-    fsdp_side = _fsdp_side(params, fsdp, group)
     if not (pad is None or pad == "replay" or callable(pad)):
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
+    fsdp_side = _fsdp_side(params, fsdp, group)
+    # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
+    ddp = DdpHold(params.ddp, group) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
     state.pad = pad
     return state

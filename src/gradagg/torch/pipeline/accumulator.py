@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gradagg.errors import GradaggError, PlacementError, WindowError
-from gradagg.torch.collectives import Group, check_same_on_all_ranks, get_rank
+from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
 from gradagg.torch.pipeline.grads import reduce_and_divide
@@ -31,7 +31,8 @@ class PipelineAccumulator:
             (``{"embedding": emb.weight}`` on the first stage, ``{"embedding": head.weight}`` on the last).
 
     Raises:
-        GradaggError: a tie declared on one rank only, or with different shapes (every rank of the pipeline).
+        GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; a tie declared on one rank
+            only, or with different shapes (every rank of the pipeline).
         PlacementError: a DTensor parameter (tensor parallelism inside a stage is not covered).
         CollectiveError: the replicas of a stage hold different parameters or ties.
 
@@ -44,6 +45,7 @@ class PipelineAccumulator:
 
     def __init__(self, stages: Any, *, dp_group: Group, pp_group: Group = None,
                  tied: Mapping[str, torch.Tensor] | None = None) -> None:
+        check_launcher_world("PipelineAccumulator")
         self.stages = list(stages) if isinstance(stages, Sequence) else [stages]
         self.dp_group = dp_group
         self.pp_group = pp_group if pp_group is not None else self.stages[0].group
