@@ -4,8 +4,8 @@ The worker (tests.torch.workers.pipeline) runs every case in one world: GPipe, 1
 (two stages per rank) with uneven counts per replica and per microbatch; a replica padded with count-0
 microbatches; a replica running fewer microbatches than the other; torch's own recipe (a token mean per
 microbatch, scale_grads, a DP mean), shown wrong; the norm with the tied embedding/head counted once against
-the naive double count; a layer present on one replica only; and three steps refused on every rank (a NaN
-count, stale gradients, D = 0).
+the naive double count; a layer present on one replica only; gradients zeroed in place; and three steps
+refused on every rank (a NaN count, stale gradients, D = 0).
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ def test_parameter_present_on_one_replica_only(ranks: list[dict[str, Any]]) -> N
     assert ranks[1]["presence"]["unused_nonzero"] and ranks[3]["presence"]["unused_nonzero"]
 
 
+def test_gradients_zeroed_in_place_count_as_absent(ranks: list[dict[str, Any]]) -> None:
+    """zero_grad(set_to_none=False) before the step: the zeros are no contribution (a non-zero one is refused,
+    test_refused_on_every_rank's "stale"); ``unused`` stays None, as after zero_grad()."""
+    for r in ranks:
+        assert r["zeroed"]["error"] <= EXACT, r["zeroed"]["error"]
+
+
 def test_schedule_own_scaling_is_wrong_for_token_weighting(ranks: list[dict[str, Any]]) -> None:
     """torch's recipe (mean loss per microbatch, divided by n_microbatches, then by the replicas) weights a
     token of a short microbatch more: off by far more than round-off (over 10% here), what gradagg fixes."""
@@ -85,7 +92,8 @@ def test_norm_counts_tied_weight_once(ranks: list[dict[str, Any]]) -> None:
 def test_refused_on_every_rank(ranks: list[dict[str, Any]], what: str) -> None:
     """A NaN count, gradients before the step (on one rank), or D = 0: WindowError on all four ranks, naming
     the replica, with every gradient set to None (never a silent division)."""
-    words = {"nan": "counted NaN", "stale": "had gradients before the step", "zero": "total count D is 0"}[what]
+    words = {"nan": "counted NaN", "stale": "had non-zero gradients before the step",
+             "zero": "total count D is 0"}[what]
     for r in ranks:
         out = r[f"refused_{what}"]
         assert out["raised"] is not None and words in out["raised"]

@@ -122,6 +122,19 @@ def presence_case(me: Rank) -> dict[str, Any]:
             "unused_nonzero": bool(unused) and all(g is not None and bool(g.abs().sum() > 0) for g in unused)}
 
 
+def zeroed_case(me: Rank) -> dict[str, Any]:
+    """Every gradient allocated and exactly zero before the step (``zero_grad(set_to_none=False)``): absent."""
+    stages, modules, tied = build(me, 1)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    for p in pipe.params:
+        p.grad = torch.zeros_like(p)
+    mbs = batches(UNEVEN, me.dp)
+    args, kwargs = step_inputs(stages, mbs)
+    pipe.step(schedule("gpipe", stages, len(mbs), pipe.loss(m.token_sum_loss)), *args, **kwargs)
+    want, _ = m.truth(batches(UNEVEN, 0) + batches(UNEVEN, 1))
+    return {"error": error(stages, modules, want)}
+
+
 def schedule_own_case(me: Rank) -> dict[str, Any]:
     """torch's own recipe: a token-mean loss per microbatch, scale_grads=True, then a DP mean; ties summed."""
     stages, modules, tied = build(me, 1)
@@ -166,6 +179,7 @@ def world() -> dict[str, Any]:
     out["padded"] = exact_case(me, "1f1b", PADDED)
     out["fewer"] = exact_case(me, "gpipe", FEWER)
     out["presence"] = presence_case(me)
+    out["zeroed"] = zeroed_case(me)
     out["schedule_own"] = schedule_own_case(me)
     for what in ("nan", "stale", "zero"):
         out[f"refused_{what}"] = refused_case(me, what)

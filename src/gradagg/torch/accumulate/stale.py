@@ -24,8 +24,14 @@ def take_zeroed(state: State) -> str | None:
     Checked on this rank's piece (an FSDP2 gradient's local shard: a DTensor's other shards live on other ranks,
     which check theirs). Nothing is changed when one is non-zero: the window will be refused.
     """
-    held = [(state.names[i], t) for i, t in enumerate(state.tensors) if t.grad is not None]
-    held += [(state.names[i], t) for i, t in state.unsharded.items() if t.grad is not None]
+    held = [(state.names[i], t) for i, t in enumerate(state.tensors)]
+    held += [(state.names[i], t) for i, t in state.unsharded.items()]
+    return clear_zeroed(held)
+
+
+def clear_zeroed(named: list[tuple[str, torch.Tensor]]) -> str | None:
+    """:func:`take_zeroed` over ``(name, tensor)`` pairs: the one rule, for the accumulator and the pipeline's."""
+    held = [(name, t) for name, t in named if t.grad is not None]
     if not held:
         return None
     nonzero = _nonzero([local_tensor(t.grad) for _, t in held])  # type: ignore[arg-type]
@@ -59,4 +65,4 @@ def why(name: str, empty: bool) -> str:
     )
 
 
-__all__ = ["take_zeroed", "why"]
+__all__ = ["clear_zeroed", "take_zeroed", "why"]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gradagg.errors import GradaggError, PlacementError, WindowError
+from gradagg.torch.accumulate.stale import clear_zeroed
 from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
 from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
@@ -87,12 +88,14 @@ class PipelineAccumulator:
             The step's :class:`PipelineLedger`.
 
         Raises:
-            WindowError: on every rank, with every gradient set to None, when some rank had gradients before
+            WindowError: on every rank, with every gradient set to None, when some rank had non-zero gradients before
                 the step (call ``optimizer.zero_grad()``), a count is NaN, Inf or negative, a pipeline has no
                 last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), or D = 0.
             CollectiveError: a collective failed or timed out.
         """
-        stale = any(p.grad is not None for p in self.params)  # reported after the step, on every rank
+        # gradients zeroed in place (zero_grad(set_to_none=False)) are absent; any other is reported after the
+        # step, on every rank
+        stale = clear_zeroed(list(zip(self.names, self.params))) is not None
         self._counts.clear()
         losses = kwargs.pop("losses", None)
         losses = [] if losses is None else losses  # the schedule fills it: the real microbatches' losses
@@ -167,7 +170,7 @@ def _problem(t: Totals) -> str | None:
     """Why the step cannot be divided, the same words on every rank (None: it can)."""
     replicas = range(len(t.tokens))
     checks = [
-        ([r for r in replicas if t.stale[r]], "had gradients before the step (call optimizer.zero_grad() first)"),
+        ([r for r in replicas if t.stale[r]], "had non-zero gradients before the step (call optimizer.zero_grad())"),
         ([r for r in replicas if t.invalid[r]], "counted NaN, Inf or a negative number"),
         ([r for r in replicas if t.lasts[r] != 1], "do not have exactly one last stage among the stages passed"),
         ([r for r in replicas if t.lasts[r] == 1 and t.microbatches[r] == 0],
