@@ -10,6 +10,7 @@ fsdp_size=2))``). Next to each exact case, the Trainer's own gradient in the sam
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
@@ -50,9 +51,14 @@ CASES: dict[str, hf.Case] = {
     "exact/fsdp_clip": {"exact": True, "fsdp": True, "clip": CLIP},
     # refusals last: a failed window leaves nothing behind, but the cases above need not rely on it
     "refused/tagging_without_weight": {"exact": True, "loss": "tagging"},
-    "refused/nan_count": {"exact": True, "bad": "nan"},
-    "refused/negative_count": {"exact": True, "bad": "negative"},
 }
+# A count that cannot count, on one rank only: two chosen (a full window, the short last one), then a seeded
+# draw of rank, microbatch and value
+SEED = 1414
+BAD = [{"rank": 1, "at": 2, "value": "nan"}, {"rank": 0, "at": 5, "value": "negative"},
+       *({"rank": r.randrange(2), "at": r.randint(1, hf.MICROBATCHES), "value": r.choice(sorted(hf.BAD_VALUES))}
+         for r in [random.Random(SEED)] for _ in range(2))]
+CASES.update({f"refused/bad{i}": {"exact": True, "bad": bad} for i, bad in enumerate(BAD)})
 EXACT = [k.split("/", 1)[1] for k in CASES if k.startswith("exact/")]
 RIGHT_ON_ITS_OWN = ["defaults", "clip", "fsdp"]  # the Trainer's defaults: the global token mean already
 WRONG_ON_ITS_OWN = ["avg_off", "no_kwargs", "clip_no_kwargs", "tagging", "fsdp_avg_off"]
@@ -139,18 +145,22 @@ def test_compute_loss_func_without_weight_is_refused(world: dict[str, Any]) -> N
     assert len(refused) == 2 and all("cannot count the tokens of a compute_loss_func" in r for r in refused), refused
 
 
-@pytest.mark.parametrize(("bad", "rank", "value"), [("nan", 1, "nan"), ("negative", 0, "-")])
-def test_a_count_that_cannot_count_is_refused_on_every_rank(world: dict[str, Any], bad: str, rank: int,
-                                                            value: str) -> None:
-    """A NaN count on rank 1 only, a negative one on rank 0 only: both ranks raise (no rank left waiting in the
-    window's reduction), naming the step and the rank; that rank names the microbatch and its value."""
-    refused = world[f"refused/{bad}_count"]["refused"]
-    assert len(refused) == 2, refused
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_a_count_that_cannot_count_is_refused_on_every_rank(world: dict[str, Any], i: int) -> None:
+    """A negative, NaN, infinite or too large count on one rank only: both ranks raise (no rank left waiting in
+    the window's reduction), naming the step and the rank; that rank names the microbatch and its value."""
+    bad = BAD[i]
+    step, microbatch = divmod(bad["at"] - 1, hf.WINDOW)  # windows of 3 microbatches, then the last one of 2
+    value = {"nan": "nan", "negative": "-3.0", "inf": "inf", "beyond_float64": "inf"}[bad["value"]]
+    refused = world[f"refused/bad{i}"]["refused"]
+    where = f"seed {SEED}, case {bad}"
+    assert len(refused) == 2, (where, refused)
     for r in refused:
-        assert r.startswith("WindowError: step 0: exact() could not finish"), r
-        assert f"rank {rank} had an invalid or inconsistent microbatch weight" in r and "discard()" not in r, r
-    mine = refused[rank]
-    assert f"microbatch 1 has weight {value}" in mine and "a weight must be finite and non-negative" in mine, mine
+        assert r.startswith(f"WindowError: step {step}: exact() could not finish"), (where, r)
+        assert f"rank {bad['rank']} had an invalid or inconsistent microbatch weight" in r, (where, r)
+        assert "discard()" not in r, (where, r)  # exact() dropped the window itself
+    mine = refused[bad["rank"]]
+    assert f"microbatch {microbatch} has weight {value}: a weight must be finite and non-negative" in mine, where
 
 
 def test_not_a_trainer_is_refused() -> None:

@@ -10,7 +10,7 @@ A case is a dict: ``exact`` (apply :func:`gradagg.integrations.transformers.exac
 (``average_tokens_across_devices``), ``loss_kwargs`` (the model takes them), ``trainer`` (``"sft"``: TRL's
 ``SFTTrainer``), ``clip`` (``max_grad_norm``), ``fsdp`` (transformers' own FSDP2: ``from_pretrained`` with
 ``DistributedConfig(fsdp_size=2)``), ``loss`` (``"tagging"``: a ``compute_loss_func`` that is the mean over the
-unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one rank).
+unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
 """
 
 from __future__ import annotations
@@ -130,17 +130,19 @@ def tagging_count(inputs: Any) -> int:
     return int((inputs["labels"] != -100).sum())
 
 
-def bad_count(bad: str) -> Any:
-    """The causal count, but one microbatch of rank 1 (``"nan"``) or rank 0 (``"negative"``) counts wrong."""
-    seen = [0]
-    rank = {"nan": 1, "negative": 0}[bad]
+BAD_VALUES = {"nan": math.nan, "negative": -3.0, "inf": math.inf, "beyond_float64": 10**400}
 
-    def count(inputs: Any) -> float:
+
+def bad_count(bad: dict[str, Any]) -> Any:
+    """The causal count, but rank ``bad["rank"]``'s microbatch number ``bad["at"]`` (from 1, over the epoch)
+    counts ``BAD_VALUES[bad["value"]]`` (an int beyond float64 is handed over as it is)."""
+    seen = [0]
+
+    def count(inputs: Any) -> object:
         seen[0] += 1
-        n = float((inputs["labels"][:, 1:] != -100).sum())
-        if dist.get_rank() == rank and seen[0] == 2:
-            return math.nan if bad == "nan" else -n
-        return n
+        if dist.get_rank() == bad["rank"] and seen[0] == bad["at"]:
+            return BAD_VALUES[bad["value"]]
+        return int((inputs["labels"][:, 1:] != -100).sum())
 
     return count
 
