@@ -10,7 +10,12 @@ fsdp_size=2))``). Next to each exact case, the Trainer's own gradient in the sam
 from __future__ import annotations
 
 import math
+import os
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,3 +181,17 @@ def test_a_count_that_is_not_a_number_is_refused(value: object) -> None:
 
     with pytest.raises(GradaggError, match="step 4: the microbatch's count must be a non-negative number"):
         _count(value, 4)
+
+
+def test_bench_hf_quick_runs() -> None:
+    """bench/bench_hf.py --quick (not a timed test): both forms train end to end and the table names the ratio
+    (the figures are bench/RESULTS.md's, from a full run)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    done = subprocess.run([sys.executable, "bench/bench_hf.py", "--quick"], capture_output=True, text=True,
+                          cwd=root, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"^\| Trainer step, plain \| [\d.]+ ms \| [\d.]+ ms \| 1 \(baseline\) \|", done.stdout, re.M)
+    ratios = r"( \d\.\d{3} \|){3} <= 1.05 \|$"
+    assert re.search(r"^\| Trainer step, exact\(trainer\) \| [\d.]+ ms \| [\d.]+ ms \|" + ratios, done.stdout, re.M), \
+        done.stdout

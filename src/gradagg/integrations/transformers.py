@@ -73,7 +73,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
             not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
             sequence parallelism, a MoE auxiliary loss); a model or ``compute_loss_func`` whose loss it cannot
-            count without ``weight``.
+            count without ``weight``. During ``train()``: a count that is not a number (at once), or a negative,
+            NaN or infinite one (``WindowError`` from the window's ``finish()``, on every rank).
     """
     _check_trainer(trainer)
     _check_setup(trainer)

@@ -10,7 +10,8 @@ A case is a dict: ``exact`` (apply :func:`gradagg.integrations.transformers.exac
 (``average_tokens_across_devices``), ``loss_kwargs`` (the model takes them), ``trainer`` (``"sft"``: TRL's
 ``SFTTrainer``), ``clip`` (``max_grad_norm``), ``fsdp`` (transformers' own FSDP2: ``from_pretrained`` with
 ``DistributedConfig(fsdp_size=2)``), ``loss`` (``"tagging"``: a ``compute_loss_func`` that is the mean over the
-unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
+unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one
+rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
 """
 
 from __future__ import annotations
