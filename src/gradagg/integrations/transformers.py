@@ -100,7 +100,7 @@ class _Exact:
         self.acc: Any = None
         self.model: Any = None
         self.pending: float | None = None  # the count of the microbatch whose training_step is running
-        self.window_loss = 0.0  # this rank's token-summed loss over the open window
+        self.window_loss: Any = None  # this rank's token-summed loss over the open window (a tensor: no host sync)
         self.finished = False  # whether the current window was finished (reset by the guard at each step)
 
     def accumulator(self, model: Any) -> Any:
@@ -125,7 +125,8 @@ class _Exact:
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
         finally:
             self.pending = None
-        self.window_loss += float(loss)
+        part = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.window_loss = part if self.window_loss is None else self.window_loss + part
         device = self.trainer.args.device
         if not last:
             return torch.zeros((), device=device)
@@ -141,15 +142,16 @@ class _Exact:
         self.finished = True
         # The Trainer logs the mean over ranks of what the window's steps returned: each rank returns its share
         # of the global token mean times the number of ranks, so that the mean over ranks is the token mean.
-        share = self.window_loss * ledger.world_size / ledger.weight_global if ledger.weight_global else 0.0
-        self.window_loss = 0.0
-        return torch.tensor(share, device=device)
+        total, self.window_loss = self.window_loss, None
+        if not ledger.weight_global:
+            return torch.zeros((), device=device)
+        return (total * (ledger.world_size / ledger.weight_global)).to(device)
 
     def close(self) -> None:
         """Give the model its own synchronisation back and unregister the accumulator (end of train(), failure)."""
         if self.acc is not None:
             self.acc.close()
-        self.acc, self.model, self.window_loss, self.finished = None, None, 0.0, False
+        self.acc, self.model, self.window_loss, self.finished = None, None, None, False
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
