@@ -15,13 +15,19 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
   its own tokens (no factor for the world size or the window) and is multiplied by the count, a sum;
   ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing it by the window's length.
 * ``training_step`` runs inside a :class:`~gradagg.torch.MicrobatchAccumulator` microbatch weighted by the count,
-  built on the first step around the model as ``accelerator.prepare`` wrapped it (DDP, FSDP2). The Trainer marks
-  the window's last microbatch (``accelerator.sync_gradients``); after it, ``finish()`` runs there, so the
-  clip (``max_grad_norm``) and the logged ``grad_norm`` see the exact gradient. That step returns the window's
-  token mean as its loss (the others 0), so the logged ``loss`` is the true token mean.
+  built on the first step around the model as the Trainer prepared it: DDP (``accelerator.prepare``), or
+  transformers' own FSDP2, a model sharded at load time by ``from_pretrained(...,
+  distributed_config=DistributedConfig(fsdp_size=...))`` (on a CPU machine Accelerate's FSDP plugin gives DDP).
+  The Trainer marks the window's last microbatch (``accelerator.sync_gradients``); after it, ``finish()`` runs
+  there, so the clip (``max_grad_norm``) and the logged ``grad_norm`` see the exact gradient. That step returns
+  the window's token mean as its loss (the others 0), so the logged ``loss`` is the true token mean. At
+  ``on_train_end`` the accumulator is closed (DDP and FSDP get their own synchronisation back).
 * ``accelerator.no_sync`` does nothing while gradagg holds DDP's and FSDP2's synchronisation itself (FSDP2's
-  ``no_sync`` would turn FSDP's reduction back on at its end); a callback checks at ``on_pre_optimizer_step``
-  that the window was finished.
+  ``no_sync`` would turn FSDP's reduction back on at its end). For transformers' own FSDP2 the Trainer defers
+  FSDP's reduction itself around every microbatch but the window's last (``set_requires_gradient_sync(False)``);
+  gradagg reduce-scatters every microbatch, so ``training_step`` turns it back on inside that context, through
+  the public ``FSDPModule.set_requires_gradient_sync``. A callback checks at ``on_pre_optimizer_step`` that the
+  window was finished.
 * DDP's buffer broadcast is turned off when every buffer is non-persistent (derived from the config, e.g.
   Llama's rotary ``inv_freq``: the same on every rank by construction) and ``ddp_broadcast_buffers`` was not
   set; otherwise DDP is built as configured.
@@ -29,12 +35,16 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
 The microbatch's count, by default, is its labels other than -100 after the causal shift
 (:func:`gradagg.integrations._tokens.label_tokens`), for causal LMs (the model's loss is ``ForCausalLM``);
 ``exact(trainer, weight=fn)`` gives it for any other loss (``fn(inputs)``, the dict ``compute_loss`` receives;
-the loss is then taken as its mean over that count). A microbatch that counts 0 runs its forward but no backward.
+the loss is then taken as its mean over that count). A microbatch that counts 0 runs its forward but its backward
+reaches no parameter. A count that is not a number is refused at once; a negative, NaN or infinite one makes
+``finish()`` refuse the window on every rank (a ``WindowError`` naming the step, the rank, the microbatch and the
+value), and ``train()`` stops there without stepping.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -63,7 +73,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
             not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
             sequence parallelism, a MoE auxiliary loss); a model or ``compute_loss_func`` whose loss it cannot
-            count without ``weight``.
+            count without ``weight``. During ``train()``: a count that is not a number (at once), or a negative,
+            NaN or infinite one (``WindowError`` from the window's ``finish()``, on every rank).
     """
     _check_trainer(trainer)
     _check_setup(trainer)
@@ -89,7 +100,7 @@ class _Exact:
         self.acc: Any = None
         self.model: Any = None
         self.pending: float | None = None  # the count of the microbatch whose training_step is running
-        self.window_loss = 0.0  # this rank's token-summed loss over the open window
+        self.window_loss: Any = None  # this rank's token-summed loss over the open window (a tensor: no host sync)
         self.finished = False  # whether the current window was finished (reset by the guard at each step)
 
     def accumulator(self, model: Any) -> Any:
@@ -104,25 +115,43 @@ class _Exact:
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         acc = self.accumulator(model)
-        n = _check_count(self.count(inputs), self.trainer.state.global_step)
+        step = self.trainer.state.global_step
+        n = _count(self.count(inputs), step)
         last = bool(self.trainer.accelerator.sync_gradients)
         self.pending = n
+        _resume_fsdp_reduction(model)
         try:
             with acc.microbatch(weight=n, last=last):
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
         finally:
             self.pending = None
-        self.window_loss += float(loss)
+        part = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        self.window_loss = part if self.window_loss is None else self.window_loss + part
         device = self.trainer.args.device
         if not last:
             return torch.zeros((), device=device)
-        ledger = acc.finish()
+        try:
+            ledger = acc.finish()  # refuses on every rank a count that cannot count (negative, NaN, infinite)
+        except GradaggError as exc:
+            self.close()  # the window is dropped here, on every rank (the accumulator's advice to discard() is done)
+            reason = str(exc).removesuffix("; call discard() on every rank")
+            raise type(exc)(
+                f"step {step}: exact() could not finish the Trainer's accumulation window: {reason}; train() stops "
+                "without stepping"
+            ) from exc
         self.finished = True
         # The Trainer logs the mean over ranks of what the window's steps returned: each rank returns its share
         # of the global token mean times the number of ranks, so that the mean over ranks is the token mean.
-        share = self.window_loss * ledger.world_size / ledger.weight_global if ledger.weight_global else 0.0
-        self.window_loss = 0.0
-        return torch.tensor(share, device=device)
+        total, self.window_loss = self.window_loss, None
+        if not ledger.weight_global:
+            return torch.zeros((), device=device)
+        return (total * (ledger.world_size / ledger.weight_global)).to(device)
+
+    def close(self) -> None:
+        """Give the model its own synchronisation back and unregister the accumulator (end of train(), failure)."""
+        if self.acc is not None:
+            self.acc.close()
+        self.acc, self.model, self.window_loss, self.finished = None, None, None, False
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -132,8 +161,23 @@ class _Exact:
                                               num_items_in_batch=num_items_in_batch)
         out = self.original_compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=None)
         loss, rest = (out[0], out[1:]) if return_outputs else (out, ())
-        summed = loss * n if n > 0 else _zero_loss(loss)
+        summed = loss * n if 0 < n < math.inf else _zero_loss(loss)  # NaN and the rest: refused in finish()
         return (summed, *rest) if return_outputs else summed
+
+
+def _resume_fsdp_reduction(model: Any) -> None:
+    """Undo the Trainer's FSDP2 deferral for this microbatch: gradagg reduce-scatters every microbatch itself.
+
+    For a model sharded at load time (``from_pretrained(distributed_config=...)``) the Trainer runs every
+    microbatch but the window's last inside its own deferral, which calls ``set_requires_gradient_sync(False)``
+    on the model: the shards would then stay unreduced in ``.grad``, which the accumulator refuses. Turned back
+    on here, inside that context, through the public ``FSDPModule`` method, as the accumulator configured it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(True, recurse=False)
 
 
 def _zero_loss(loss: Any) -> Any:
@@ -141,14 +185,21 @@ def _zero_loss(loss: Any) -> Any:
     return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
 
 
-def _check_count(value: object, step: int) -> float:
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+def _count(value: object, step: int) -> float:
+    """A microbatch's count as a float. Not a number: refused here (the same on every rank, the same code runs
+    there). Negative, NaN or infinite: handed to the accumulator as it is, whose ``finish()`` refuses it on
+    every rank (refused here, on one rank only, it would leave the others waiting in the window's reduction)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise GradaggError(
-            f"step {step}: the microbatch's count must be a finite non-negative number or 0-dim tensor, got {value!r}"
+            f"step {step}: the microbatch's count must be a non-negative number or 0-dim tensor, got "
+            f"{type(value).__name__} {value!r}"
         )
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float64: refused by finish() as infinite
+        return math.inf
 
 
 @contextlib.contextmanager
@@ -162,6 +213,9 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, hold: _Exact) -> None:
         self.hold = hold
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.hold.close()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.hold.finished:
@@ -190,7 +244,10 @@ def _check_trainer(trainer: Any) -> None:
 def _already_trained(trainer: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
-    wrapped = trainer.model_wrapped is not trainer.model or isinstance(trainer.model, FSDPModule)
+    # transformers' own FSDP2 (a model sharded at load time by ``from_pretrained(distributed_config=...)``) is an
+    # FSDPModule before training; Accelerate's FSDP2 makes it one only in train()
+    native = bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
+    wrapped = trainer.model_wrapped is not trainer.model or (isinstance(trainer.model, FSDPModule) and not native)
     return bool(trainer.state.global_step > 0 or wrapped)
 
 

@@ -5,6 +5,13 @@ Each case trains the tiny Llama of :mod:`tests.integrations.tiny_llama` for one 
 captures, at every ``on_pre_optimizer_step`` (after the clip, before the step), the gradient and the parameters it
 was computed at, and which sequences the step's microbatches held (unpadded again from the attention mask); rank
 0 then computes the float64 truth of exactly those sequences of both ranks and returns each step's relative error.
+
+A case is a dict: ``exact`` (apply :func:`gradagg.integrations.transformers.exact`), ``avg_tokens``
+(``average_tokens_across_devices``), ``loss_kwargs`` (the model takes them), ``trainer`` (``"sft"``: TRL's
+``SFTTrainer``), ``clip`` (``max_grad_norm``), ``fsdp`` (transformers' own FSDP2: ``from_pretrained`` with
+``DistributedConfig(fsdp_size=2)``), ``loss`` (``"tagging"``: a ``compute_loss_func`` that is the mean over the
+unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one
+rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import copy
 import functools
 import math
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -111,10 +119,50 @@ def training_args(case: Case, out: str) -> Any:
     return TrainingArguments(**options)
 
 
-def build_trainer(case: Case, out: str) -> Any:
+def tagging_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """A loss that is no causal LM's: the mean cross-entropy of every position's own label (no shift)."""
+    logits = outputs.logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)
+
+
+def tagging_count(inputs: Any) -> int:
+    """What :func:`tagging_loss` is a mean over: the labels other than -100, unshifted."""
+    return int((inputs["labels"] != -100).sum())
+
+
+BAD_VALUES = {"nan": math.nan, "negative": -3.0, "inf": math.inf, "beyond_float64": 10**400}
+
+
+def bad_count(bad: dict[str, Any]) -> Any:
+    """The causal count, but rank ``bad["rank"]``'s microbatch number ``bad["at"]`` (from 1, over the epoch)
+    counts ``BAD_VALUES[bad["value"]]`` (an int beyond float64 is handed over as it is)."""
+    seen = [0]
+
+    def count(inputs: Any) -> object:
+        seen[0] += 1
+        if dist.get_rank() == bad["rank"] and seen[0] == bad["at"]:
+            return BAD_VALUES[bad["value"]]
+        return int((inputs["labels"][:, 1:] != -100).sum())
+
+    return count
+
+
+def _model(case: Case, checkpoint: str | None) -> torch.nn.Module:
+    if not case.get("fsdp"):
+        return tl.model(0, loss_kwargs=case.get("loss_kwargs", True))
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    # transformers' own FSDP2: the model is sharded at load time (fully_shard per its fsdp plan), on CPU too
+    assert checkpoint is not None
+    return LlamaForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(fsdp_size=2))  # type: ignore[no-any-return]
+
+
+def build_trainer(case: Case, out: str, checkpoint: str | None = None) -> Any:
     from transformers import Trainer
 
-    model = tl.model(0, loss_kwargs=case.get("loss_kwargs", True))
+    model = _model(case, checkpoint)
     rows = dataset_rows()
     if case.get("trainer") == "sft":
         from datasets import Dataset
@@ -122,48 +170,100 @@ def build_trainer(case: Case, out: str) -> Any:
 
         return SFTTrainer(model=model, args=training_args(case, out), train_dataset=Dataset.from_list(rows),
                           processing_class=tl.tokenizer())
-    return Trainer(model=model, args=training_args(case, out), train_dataset=rows, data_collator=tl.collate)
+    tagging = {"compute_loss_func": tagging_loss} if case.get("loss") == "tagging" else {}
+    return Trainer(model=model, args=training_args(case, out), train_dataset=rows, data_collator=tl.collate,
+                   **tagging)
 
 
-def run_case(case: Case) -> dict[str, Any]:
-    """Train one case; return (on rank 0) each step's error against the truth, the logs, what wrapped the model."""
+def _message(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _apply_exact(trainer: Any, case: Case) -> None:
+    from gradagg.integrations.transformers import exact
+
+    if case.get("bad"):
+        exact(trainer, weight=bad_count(case["bad"]))
+    elif case.get("loss") == "tagging" and case.get("weight"):
+        exact(trainer, weight=tagging_count)
+    else:
+        exact(trainer)
+
+
+def run_case(case: Case, checkpoint: str | None = None) -> dict[str, Any]:
+    """Train one case; return (on rank 0) each step's error against the truth, the logs, what wrapped the model,
+    what a second exact() said after train(), and (every rank's) refusal where the case was refused."""
     from gradagg.integrations.transformers import exact
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = build_trainer(case, out)
-        if case.get("exact"):
+        trainer = build_trainer(case, out, checkpoint)
+        refused: str | None = None
+        try:
+            if case.get("exact"):
+                _apply_exact(trainer, case)
+            rec = Recorder()
+            rec.wrap(trainer)
+            trainer.train()
+        except Exception as exc:  # a refusal: every rank must raise it (gathered below), none may hang
+            refused = _message(exc)
+        if refused is not None:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, refused)
+            return {"refused": every} if dist.get_rank() == 0 else {}
+        try:
             exact(trainer)
-        rec = Recorder()
-        rec.wrap(trainer)
-        trainer.train()
+        except Exception as exc:
+            again = _message(exc)
+        else:
+            again = "accepted"
         wrapped = type(trainer.model_wrapped).__name__
         dtensor = type(next(trainer.model.parameters())).__name__
     if dist.get_rank() != 0:
         return {}
-    return {"wrapped": wrapped, "param_type": dtensor, "steps": [score(s, case.get("clip", 0.0)) for s in rec.steps],
-            "logs": rec.logs}
+    loss = tagging_sum_loss if case.get("loss") == "tagging" else tl.token_sum_loss
+    count = tagging_count if case.get("loss") == "tagging" else tl.tokens
+    return {"wrapped": wrapped, "param_type": dtensor, "again": again, "logs": rec.logs,
+            "steps": [score(s, case.get("clip", 0.0), loss, count) for s in rec.steps]}
 
 
-def score(step: dict[str, Any], clip: float) -> dict[str, float]:
+def tagging_sum_loss(m: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed :func:`tagging_loss` of ``batch``."""
+    logits = m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def truth(m: torch.nn.Module, seqs: list[dict[str, list[int]]], loss: Any, count: Any) -> dict[str, torch.Tensor]:
+    """float64 gradients of ``sum loss / sum count`` over ``seqs``, one process, one sequence at a time."""
+    m64 = copy.deepcopy(m).double()
+    m64.zero_grad(set_to_none=True)
+    total = sum(count(tl.collate([s])) for s in seqs)
+    for s in seqs:
+        (loss(m64, tl.collate([s])) / total).backward()
+    return {n: p.grad.detach().clone() for n, p in m64.named_parameters() if p.grad is not None}
+
+
+def score(step: dict[str, Any], clip: float, loss: Any = tl.token_sum_loss, count: Any = tl.tokens) -> dict[str, Any]:
     """One step against the float64 truth of its sequences at its parameters (clipped as torch clips)."""
     m = tl.model(0)
     m.load_state_dict(step["params"])
-    want = tl.truth(m, step["seqs"])
+    want = truth(m, step["seqs"], loss, count)
     norm = math.sqrt(sum(float((g * g).sum()) for g in want.values()))
     if clip > 0:
         coef = min(1.0, clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
         want = {n: g * coef for n, g in want.items()}
     worst = max(want, key=lambda n: float((step["grads"][n].double() - want[n]).abs().max()))
     return {"error": tl.relative_error(step["grads"], want), "worst": worst, "norm": norm,
-            "loss": true_loss(m, step["seqs"]), "sequences": len(step["seqs"])}
+            "loss": true_loss(m, step["seqs"], loss, count), "sequences": len(step["seqs"])}
 
 
-def true_loss(m: torch.nn.Module, seqs: list[dict[str, list[int]]]) -> float:
-    """The float64 token mean of the loss over ``seqs``."""
+def true_loss(m: torch.nn.Module, seqs: list[dict[str, list[int]]], loss: Any = tl.token_sum_loss,
+              count: Any = tl.tokens) -> float:
+    """The float64 mean of the loss over ``seqs``: its sum over their counted labels."""
     m64 = copy.deepcopy(m).double()
     with torch.no_grad():
-        total = sum(float(tl.token_sum_loss(m64, tl.collate([s]))) for s in seqs)
-    return total / sum(tl.tokens(tl.collate([s])) for s in seqs)
+        total = sum(float(loss(m64, tl.collate([s]))) for s in seqs)
+    return total / sum(count(tl.collate([s])) for s in seqs)
 
 
 def launcher_environment() -> None:
@@ -176,6 +276,19 @@ def launcher_environment() -> None:
 
 
 def cases_world(cases: list[Case]) -> list[dict[str, Any]]:
-    """Every case in turn on this rank, in one world (transformers is imported once per rank)."""
+    """Every case in turn on this rank, in one world (transformers is imported once per rank). The FSDP2 cases
+    load one checkpoint of the tiny Llama, saved by rank 0 into a folder both ranks read."""
     launcher_environment()
-    return [run_case(c) for c in cases]
+    place = [tempfile.mkdtemp(prefix="gradagg-hf-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(place, src=0)
+    checkpoint = f"{place[0]}/tiny-llama"
+    try:
+        if any(c.get("fsdp") for c in cases):
+            if dist.get_rank() == 0:
+                tl.model(0).save_pretrained(checkpoint)
+            dist.barrier()
+        return [run_case(c, checkpoint) for c in cases]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(str(place[0]), ignore_errors=True)
