@@ -2,7 +2,7 @@
 
 Every command is a whole process, start-up included, as a user would run it: this
 checkout's ``src``, from compiled bytecode as an installed package runs (:func:`child_env`).
-gradagg reads the file with pyarrow (two row groups ahead, decoded on two threads)
+gradagg reads the file with pyarrow (a row group ahead; two at once past 16 row groups)
 and sums with NumPy; two floor rows show what any pyarrow-based command pays
 before aggregating (importing pyarrow.parquet; decoding every row group). Both
 sides write the full result (JSON/CSV text to stdout, sent to /dev/null, or a
