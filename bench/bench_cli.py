@@ -2,7 +2,7 @@
 
 Every command is a whole process, start-up included, as a user would run it: this
 checkout's ``src``, from compiled bytecode as an installed package runs (:func:`child_env`).
-gradagg reads the file with pyarrow (a row group ahead, on a reading thread)
+gradagg reads the file with pyarrow (a row group ahead; two at once past 16 row groups)
 and sums with NumPy; two floor rows show what any pyarrow-based command pays
 before aggregating (importing pyarrow.parquet; decoding every row group). Both
 sides write the full result (JSON/CSV text to stdout, sent to /dev/null, or a
@@ -218,7 +218,7 @@ def machine() -> str:
 def versions() -> str:
     import importlib.metadata as md
 
-    names = ["numpy", "pyarrow", "duckdb", "gradagg"]
+    names = ["numpy", "pyarrow", "orjson", "duckdb", "gradagg"]
     found = []
     for name in names:
         try:
@@ -226,6 +226,10 @@ def versions() -> str:
         except md.PackageNotFoundError:
             found.append(f"{name} (not installed)")
     return f"Python {platform.python_version()}, " + ", ".join(found)
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.2f}" for x in avg)
 
 
 def row(label: str, ours: Run, theirs: Run | None) -> str:
@@ -243,6 +247,7 @@ def main() -> None:
     parser.add_argument("--keep-big", action="store_true", help="keep the big file for the next run (~1.4 GB)")
     args = parser.parse_args()
     n, big = int(args.rows), int(args.big_rows)
+    load_before = os.getloadavg()
 
     lines = ["| case | gradagg s | gradagg peak RSS MiB | DuckDB s | DuckDB peak RSS MiB | gradagg / DuckDB |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -270,15 +275,15 @@ def main() -> None:
             notes.append(f"{n:.0e} rows, shard ids < {shards:.0e}: {check_agreement(path, tmp)}")
         if big:
             path = owner_file(big, 1_000_000, seed=7)
-            ours = medians({"g": gradagg_cmd(path)}, max(1, args.repeat // 2))["g"]
-            theirs = medians({"d": duckdb_cmd(path)}, 1)["d"]
-            lines.append(row(f"{big:.0e} rows, shard ids < 1e+06, result to stdout", ours, theirs))
+            got = medians({"g": gradagg_cmd(path), "d": duckdb_cmd(path)}, max(1, args.repeat // 2))  # interleaved
+            lines.append(row(f"{big:.0e} rows, shard ids < 1e+06, result to stdout", got["g"], got["d"]))
             if not args.keep_big:
                 path.unlink()
         notes.append(import_report(empty))
     print("\n".join(lines))
     print()
     print("\n".join(f"- {note}" for note in notes))
+    print(f"- load average (1, 5, 15 min) before: {_load(load_before)}, after: {_load(os.getloadavg())}")
     print(f"- machine: {machine()}")
     print(f"- versions: {versions()}")
 

@@ -280,6 +280,48 @@ def test_nan_output_is_python_json(cli: Cli) -> None:
     assert math.isnan(json.loads(cli("mean", "-", stdin=b"[[NaN]]").ok())[0])
 
 
+# --- Parquet in, text out: the printed numbers read back as the reference's, bit for bit ---------------------
+
+_edge_floats = st.sampled_from([-0.0, 0.0, 5e-324, -5e-324, 2.2250738585072014e-308, 1e16, 1e17, 2.0**53, 3.0,
+                                1e-5, 1e-7, 0.1, 1.7976931348623157e308, -1.7976931348623157e308, 1e300])
+_finite = st.one_of(_edge_floats, st.floats(allow_nan=False, allow_infinity=False),
+                    st.integers(-(2**20), 2**20).map(float))  # integers as floats: 3.0 must stay a float
+_nonfinite = st.sampled_from([math.nan, math.inf, -math.inf])
+_parquet_rows = st.booleans().flatmap(  # half the files all finite (orjson's case), half with NaN or infinity too
+    lambda finite: st.lists(st.tuples(st.integers(-3, 40), st.integers(0, 2), st.integers(0, 2),
+                                      _finite if finite else st.one_of(_finite, _nonfinite)), max_size=60))
+
+
+def _same_bits(got: Any, want: Any) -> bool:
+    """Pairs equal type for type, floats bit for bit (a NaN as a NaN: text keeps no payload)."""
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return (math.isnan(a) and math.isnan(b)) or a.hex() == b.hex()  # (hex keeps the sign of zero)
+        return type(a) is type(b) and a == b
+
+    return len(got) == len(want) and all(same(a, x) and same(b, y) for (a, b), (x, y) in zip(got, want))
+
+
+@FUZZ
+@given(rows=_parquet_rows)
+def test_parquet_totals_print_as_the_reference_reads_them(cli: Cli, tmp_path_factory: pytest.TempPathFactory,
+                                                         rows: list[tuple[int, int, int, float]]) -> None:
+    """Whichever JSON writer prints them (orjson for finite NumPy totals where installed, json otherwise), the
+    totals of a Parquet input parse back to the reference's: -0.0, subnormals, 1e16 and up, 3.0, NaN, infinity."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    tmp = tmp_path_factory.mktemp("parquet")
+    path = tmp / "rows.parquet"
+    columns = list(zip(*rows)) if rows else [[], [], [], []]
+    types = [pa.int64(), pa.int32(), pa.int32(), pa.float64()]
+    pq.write_table(pa.table([pa.array(c, t) for c, t in zip(columns, types)], names=OWNER_FIELDS), path)
+    want = reference.owner_sum([list(r) for r in rows])
+    assert _same_bits(json.loads(cli("owner-sum", str(path)).ok()), want)
+    cli("owner-sum", str(path), "-o", str(tmp / "out.jsonl")).ok()
+    lines = (tmp / "out.jsonl").read_text().splitlines()
+    assert _same_bits([json.loads(line) for line in lines], want)
+
+
 # --- I/O classes (issue 16): non-regular inputs, memory limits, full devices; real processes -------------------
 
 FUZZ_PROCESSES = settings(FUZZ, max_examples=3)  # each example is a few real processes: a few examples per seed

@@ -151,6 +151,23 @@ def test_a_package_that_fails_to_import_is_one_line(tmp_path: Path) -> None:
     Run(proc.returncode, proc.stdout, proc.stderr).error("numpy")
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["rows.parquet"], "reading Parquet needs pyarrow and numpy"),
+    (["rows.json", "-o", "out.parquet"], "out.parquet: cannot write the result: writing Parquet needs pyarrow"),
+])
+def test_parquet_without_pyarrow_is_one_line_naming_the_extra(tmp_path: Path, args: list[str], message: str) -> None:
+    """Reading and writing Parquet share one importer: without pyarrow, one line naming `gradagg[parquet]`."""
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    (tmp_path / "rows.parquet").write_bytes(b"PAR1")
+    code = ("import sys; sys.modules['pyarrow'] = None; from gradagg.cli import main; "
+            "sys.argv = ['gradagg', *sys.argv[1:]]; sys.exit(main())")
+    paths = [str(tmp_path / a) if a.endswith((".json", ".parquet")) else a for a in args]
+    proc = subprocess.run([sys.executable, "-c", code, "owner-sum", *paths], capture_output=True, text=True,
+                          timeout=60)
+    line = Run(proc.returncode, proc.stdout, proc.stderr).error(message)
+    assert "install them with: pip install 'gradagg[parquet]'" in line
+
+
 def python_without_site_packages(*args: str) -> Run:
     code = ("import sys; sys.path = [p for p in sys.path if 'site-packages' not in p]; from gradagg.cli import main; "
             "sys.argv = ['gradagg', *sys.argv[1:]]; sys.exit(main())")

@@ -286,3 +286,15 @@ def test_an_engine_whose_framework_is_missing_says_what_to_install(missing: str,
     assert missing not in lines[0] and lines[1] == "[[1, 2.0]]", out
     want = f"engine={engine!r} needs {missing}, which is not installed; install it with: pip install 'gradagg[{extra}]'"
     assert lines[2:] == [want, want], out
+
+
+def test_the_python_engine_runs_without_numpy() -> None:
+    """``engine="python"`` is the reference on columns: without NumPy its results are lists, as documented."""
+    out = python(
+        "import sys; sys.modules['numpy'] = None\n"
+        "from gradagg.engine import microbatch_mean_columns, owner_sum_columns\n"
+        "print(owner_sum_columns(['x', 'x'], [0, 1], [0, 0], [1.5, 9.0], engine='python'))\n"
+        "print(owner_sum_columns([], [], [], [], engine='python'))\n"
+        "print(microbatch_mean_columns([[2, None], [4, 6]], engine='python'))"
+    )
+    assert out.splitlines() == ["(['x'], [1.5])", "([], [])", "[3.0, 3.0]"]

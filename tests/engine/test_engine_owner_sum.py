@@ -209,29 +209,18 @@ def test_engines_agree_on_object_and_list_ids() -> None:
 
 
 @pytest.mark.parametrize("late_ids", ["dense", "growing", "sparse"])
-def test_ids_that_grow_or_leave_the_dense_table_keep_row_order(monkeypatch: pytest.MonkeyPatch, late_ids: str) -> None:
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one-pass", "two-core-split"])
+def test_ids_that_grow_or_leave_the_dense_table_keep_row_order(
+    monkeypatch: pytest.MonkeyPatch, late_ids: str, chunk: int | None
+) -> None:
     """Later ids in one batch stay in range, grow the dense table, or leave its range altogether (the sorted
-    table then takes the remaining rows): the totals stay the reference's bits."""
-    monkeypatch.setattr(_tables, "DENSE_LIMIT", 1 << 16)
-    shard, worker, owner, grad = random_columns(8, 2000, "dense", "f64")
-    if late_ids == "growing":
-        shard[1500:] += 40_000
-    if late_ids == "sparse":
-        shard[1000:] *= 10**9
-    columns = (shard, worker, owner, grad)
-    for engine in NUMPY_LIKE:
-        assert_same(run(engine, columns), reference_of(columns), (engine, late_ids))
+    table then takes the remaining rows): the totals stay the reference's bits.
 
-
-@pytest.mark.parametrize("late_ids", ["dense", "growing", "sparse"])
-def test_two_core_split_keeps_row_order(monkeypatch: pytest.MonkeyPatch, late_ids: str) -> None:
-    """With the kernels, big scalar batches are split between a fused front pass and a compacting helper thread.
-
-    With 64-row chunks a 2000-row batch takes that path; the results stay the
-    reference's bits when later ids stay in range, grow the table, or leave the
-    dense range altogether (the sorted table then takes the remaining rows).
+    With 64-row chunks a 2000-row batch also takes the kernels' two-core path (a fused front pass beside a
+    compacting helper thread).
     """
-    monkeypatch.setattr(_tables, "CHUNK", 64)
+    if chunk is not None:
+        monkeypatch.setattr(_tables, "CHUNK", chunk)
     monkeypatch.setattr(_tables, "DENSE_LIMIT", 1 << 16)
     shard, worker, owner, grad = random_columns(8, 2000, "dense", "f64")
     if late_ids == "growing":
@@ -240,7 +229,7 @@ def test_two_core_split_keeps_row_order(monkeypatch: pytest.MonkeyPatch, late_id
         shard[1000:] *= 10**9
     columns = (shard, worker, owner, grad)
     for engine in NUMPY_LIKE:
-        assert_same(run(engine, columns), reference_of(columns), (engine, late_ids))
+        assert_same(run(engine, columns), reference_of(columns), (engine, late_ids, chunk))
 
 
 @pytest.mark.parametrize("ids", ["dense", "sparse"])

@@ -98,6 +98,22 @@ def as_rows(shards: Any, totals: Any) -> list[list[Any]]:
 # --- owner-sum: same answers as the reference ------------------------------------------------
 
 
+@pytest.mark.parametrize("parallel_groups", [0, 1000], ids=["two-groups-at-once", "one-group-at-a-time"])
+@pytest.mark.parametrize("strings", [False, True], ids=["int-ids", "string-ids"])
+def test_whole_row_groups_come_in_file_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             parallel_groups: int, strings: bool) -> None:
+    """40 row groups read whole (the default batch size), one at a time or two at once on two threads: the
+    batches arrive in file order, so the totals are the reference's row-order bits, and progress counts up."""
+    monkeypatch.setattr(parquet, "_BATCH_BYTES", 8 << 20)
+    monkeypatch.setattr(parquet, "_PARALLEL_GROUPS", parallel_groups)
+    rows = owner_rows(5, 2000, strings=strings)
+    path = write(tmp_path, owner_table(rows), row_group_size=50)
+    seen: list[int] = []
+    got = owner_sum_file(path, engine="numpy", progress=lambda done, total: seen.append(done))
+    assert as_rows(*got) == reference.owner_sum(rows)
+    assert seen == list(range(50, 2001, 50))
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("strings", [False, True], ids=["int-ids", "string-ids"])
 def test_owner_sum_streams_like_the_reference(tmp_path: Path, engine: str, strings: bool) -> None:

@@ -13,7 +13,6 @@ import re
 from typing import Any
 
 from gradagg import reference
-from gradagg.backends import _checks
 from gradagg.errors import GradaggError, RowShapeError
 
 
@@ -190,6 +189,8 @@ def _totals_like(np: Any, items: list[Any], sample: Any) -> Any:
     if items:
         flat = [x for t in items for x in (t if isinstance(t, list) else [t])]
         return _exact_array(np, items, np.int64 if all(isinstance(x, int) for x in flat) else np.float64)
+    from gradagg.backends import _checks  # (NumPy's: imported only where NumPy is)
+
     a = _as_numpy(np, sample)
     return np.empty((0, *a.shape[1:2]), dtype=_checks.sum_dtype(a))
 

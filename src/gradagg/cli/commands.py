@@ -10,14 +10,13 @@ accumulator, chosen before the input is read), and writes the result
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
 
 from gradagg.cli.progress import progress_for
 from gradagg.errors import FormatError, GradaggError, OutputError
-from gradagg.formats import detect, results, text
+from gradagg.formats import detect, parquet_module, results, text
 from gradagg.formats.atomic import check_target
 from gradagg.options import CONTRACTS
 
@@ -34,7 +33,7 @@ def owner_sum(args: argparse.Namespace) -> int:
     source = _read(args, OWNER_SUM)
     with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
-            for batch in _parquet().owner_batches(source.parquet, progress=progress):
+            for batch in parquet_module(FormatError, "reading").owner_batches(source.parquet, progress=progress):
                 totals_of.update(*batch)
             shards, totals = totals_of.result()
         else:
@@ -53,7 +52,7 @@ def mean(args: argparse.Namespace) -> int:
     with detect.named_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
         if source.fmt == "parquet":
             text.check_header(args.header, source.fmt, source.name)  # (the text readers check it themselves)
-            batches = _parquet().microbatch_batches(source.parquet, progress=progress)
+            batches = parquet_module(FormatError, "reading").microbatch_batches(source.parquet, progress=progress)
             means = engine.microbatch_mean_batches(batches, engine=_file_engine(args.engine), nonfinite=args.nonfinite)
         else:
             rows, counts = text.read_microbatches(source.text, source.fmt, source.name, header=args.header)
@@ -92,15 +91,6 @@ def _check_engine(name: str) -> None:
         extra = "jit" if name == "numba" else name
         raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
                            f"pip install 'gradagg[{extra}]' (or use --engine auto or python)")
-
-
-def _parquet() -> Any:
-    """:mod:`gradagg.formats.parquet`, imported only when a Parquet file is read (pyarrow, numpy)."""
-    try:
-        return importlib.import_module("gradagg.formats.parquet")
-    except ImportError as exc:
-        raise FormatError(f"Parquet needs pyarrow and numpy ({exc}); install them with: "
-                          "pip install 'gradagg[parquet]'") from None
 
 
 def verify(args: argparse.Namespace) -> int:

@@ -9,3 +9,27 @@
 * :mod:`gradagg.formats.arrow`: the one Arrow-to-NumPy adapter (tables, record batches).
 * :mod:`gradagg.formats.parquet`: Parquet in record batches, through the Arrow adapter.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradagg.errors import GradaggError
+
+
+def parquet_module(error: type[GradaggError], doing: str) -> Any:
+    """:mod:`gradagg.formats.parquet`, imported only when Parquet is read or written (it needs pyarrow and numpy).
+
+    Args:
+        error: the error to raise without them: ``FormatError`` for an input, ``OutputError`` for a result.
+        doing: ``"reading"`` or ``"writing"``, for the message.
+
+    Raises:
+        GradaggError: ``error``, naming what is missing and the extra that installs it.
+    """
+    try:
+        from gradagg.formats import parquet
+    except ImportError as exc:
+        raise error(f"{doing} Parquet needs pyarrow and numpy ({exc}); install them with: "
+                    "pip install 'gradagg[parquet]'") from None
+    return parquet

@@ -4,8 +4,8 @@ Reading only: nothing here applies a contract (the engine drops replicas,
 checks NaN and orders the shards; :func:`gradagg.engine.owner_sum_batches`
 takes what :func:`owner_batches` yields). A file is read a row group at a time
 (or ~8 MiB decoded at a time of a big one) on a thread of its own, the next
-one decoding while the caller reduces this one, so memory stays bounded
-however long the file is.
+one decoding while the caller reduces this one (the next two, on two threads,
+for a file of many row groups), so memory stays bounded however long the file is.
 
 Owner-sum input schema (one row per gradient a worker reports for a shard)::
 
@@ -48,6 +48,7 @@ import itertools
 import os
 import stat
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from queue import Full, Queue
 from typing import Any, BinaryIO, TypeVar
@@ -68,6 +69,9 @@ Progress = Callable[[int, int], None]
 OWNER_COLUMNS = arrow.OWNER_COLUMNS
 _WHOLE_CHUNKS_UP_TO = 256 << 20  # row groups up to this many decoded bytes are read a column chunk at once
 _BATCH_BYTES = 8 << 20  # decoded bytes per batch: large enough to amortise per-batch Python, small to bound memory
+# Files of more row groups than this decode two at a time: for a few, the pool's start-up and the first group's
+# single-threaded decode cost more than the overlap brings.
+_PARALLEL_GROUPS = 16
 
 
 def owner_batches(path: Source, *, progress: Progress | None = None) -> Iterator[tuple[Any, Any, Any, Any]]:
@@ -279,11 +283,12 @@ def _record_batches(
     (:func:`check_row_group`), and each row group must decode to the rows it declares.
     """
     meta = pf.metadata
-    for i in range(meta.num_row_groups):
-        rows = meta.row_group(i).num_rows
-        if rows * max(1, row_bytes) <= 8 * _BATCH_BYTES:
-            table = pf.read_row_group(i, columns=columns, use_threads=True)
-            batches: Iterator[pa.RecordBatch] = iter(table.to_batches())
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    whole = [rows * max(1, row_bytes) <= 8 * _BATCH_BYTES for rows in sizes]
+    tables = _decoded_ahead(pf, columns, [i for i, w in enumerate(whole) if w])
+    for i, rows in enumerate(sizes):
+        if whole[i]:
+            batches: Iterator[pa.RecordBatch] = iter(next(tables).to_batches())
         else:
             size = max(1024, _BATCH_BYTES // max(1, row_bytes))
             batches = pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
@@ -295,6 +300,34 @@ def _record_batches(
             yield batch
         if decoded != rows:
             raise FormatError(f"{source}: row group {i} declares {rows} rows but {decoded} were decoded")
+
+
+def _decoded_ahead(pf: pq.ParquetFile, columns: list[str] | None, groups: list[int]) -> Iterator[pa.Table]:
+    """Row groups ``groups`` decoded whole, in order; two at a time on two threads for a file of many groups.
+
+    Two row groups at once keep two cores busy where one group's few columns,
+    decoded in parallel, leave one waiting on the largest; one reader serves
+    both threads, as pyarrow's own dataset scanner reads row groups of a file
+    concurrently. At most two decoded groups wait, so memory stays bounded.
+    """
+    if len(groups) <= _PARALLEL_GROUPS:
+        yield from (pf.read_row_group(i, columns=columns, use_threads=True) for i in groups)
+        return
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    def read(i: int) -> pa.Table:
+        return pf.read_row_group(i, columns=columns, use_threads=True)
+
+    pool = ThreadPoolExecutor(2, thread_name_prefix="gradagg-decode")
+    pending = iter(groups)
+    ahead: deque[Future[pa.Table]] = deque(pool.submit(read, i) for i in itertools.islice(pending, 2))
+    try:
+        while ahead:
+            table = ahead.popleft().result()
+            ahead.extend(pool.submit(read, i) for i in itertools.islice(pending, 1))
+            yield table
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _read_ahead(items: Iterator[T]) -> Iterator[T]:
