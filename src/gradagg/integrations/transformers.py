@@ -99,6 +99,7 @@ class _Exact:
         self.original_training_step = trainer.training_step
         self.acc: Any = None
         self.model: Any = None
+        self.fsdp_modules: list[Any] = []  # the model's FSDPModules, found once per accumulator
         self.pending: float | None = None  # the count of the microbatch whose training_step is running
         self.window_loss: Any = None  # this rank's token-summed loss over the open window (a tensor: no host sync)
         self.finished = False  # whether the current window was finished (reset by the guard at each step)
@@ -111,6 +112,7 @@ class _Exact:
             if self.acc is not None:
                 self.acc.close()
             self.acc, self.model = MicrobatchAccumulator(model), model
+            self.fsdp_modules = _fsdp_modules(model)
         return self.acc
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
@@ -119,7 +121,7 @@ class _Exact:
         n = _count(self.count(inputs), step)
         last = bool(self.trainer.accelerator.sync_gradients)
         self.pending = n
-        _resume_fsdp_reduction(model)
+        _resume_fsdp_reduction(self.fsdp_modules)
         try:
             with acc.microbatch(weight=n, last=last):
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
@@ -152,6 +154,7 @@ class _Exact:
         if self.acc is not None:
             self.acc.close()
         self.acc, self.model, self.window_loss, self.finished = None, None, None, False
+        self.fsdp_modules = []
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -165,7 +168,14 @@ class _Exact:
         return (summed, *rest) if return_outputs else summed
 
 
-def _resume_fsdp_reduction(model: Any) -> None:
+def _fsdp_modules(model: Any) -> list[Any]:
+    """The ``FSDPModule`` instances in ``model`` (none under DDP): walked once, not at every microbatch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _resume_fsdp_reduction(fsdp_modules: list[Any]) -> None:
     """Undo the Trainer's FSDP2 deferral for this microbatch: gradagg reduce-scatters every microbatch itself.
 
     For a model sharded at load time (``from_pretrained(distributed_config=...)``) the Trainer runs every
@@ -173,11 +183,8 @@ def _resume_fsdp_reduction(model: Any) -> None:
     on the model: the shards would then stay unreduced in ``.grad``, which the accumulator refuses. Turned back
     on here, inside that context, through the public ``FSDPModule`` method, as the accumulator configured it.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(True, recurse=False)
+    for module in fsdp_modules:
+        module.set_requires_gradient_sync(True, recurse=False)
 
 
 def _zero_loss(loss: Any) -> Any:

@@ -19,18 +19,19 @@ from gradagg.torch.placements import local_tensor
 
 
 def take_zeroed(state: State) -> str | None:
-    """Set every gradient present to None if all are exactly zero; else return the first non-zero one's name.
-
-    Checked on this rank's piece (an FSDP2 gradient's local shard: a DTensor's other shards live on other ranks,
-    which check theirs). Nothing is changed when one is non-zero: the window will be refused.
-    """
+    """:func:`clear_zeroed` over the accumulator's parameters, the unsharded ones included."""
     held = [(state.names[i], t) for i, t in enumerate(state.tensors)]
     held += [(state.names[i], t) for i, t in state.unsharded.items()]
     return clear_zeroed(held)
 
 
 def clear_zeroed(named: list[tuple[str, torch.Tensor]]) -> str | None:
-    """:func:`take_zeroed` over ``(name, tensor)`` pairs: the one rule, for the accumulator and the pipeline's."""
+    """Set every gradient present to None if all are exactly zero; else return the first non-zero one's name.
+
+    The one rule, for the accumulator and the pipeline's. Checked on this rank's piece (an FSDP2 gradient's
+    local shard: a DTensor's other shards live on other ranks, which check theirs). Nothing is changed when
+    one is non-zero: the window will be refused.
+    """
     held = [(name, t) for name, t in named if t.grad is not None]
     if not held:
         return None
