@@ -57,7 +57,20 @@ class CollectiveError(GradaggError):
 
 
 class WindowError(GradaggError):
-    """An accumulation window is in a state that forbids the requested step."""
+    """An accumulation window is in a state that forbids the requested step.
+
+    ``reason`` is what went wrong; ``remedy``, when given, what the caller should do next: the message is
+    both (``"reason; remedy"``), and a wrapper that does the remedy itself reports ``reason`` alone.
+
+    >>> e = WindowError("rank 1 failed", remedy="call discard() on every rank")
+    >>> str(e), e.reason
+    ('rank 1 failed; call discard() on every rank', 'rank 1 failed')
+    """
+
+    def __init__(self, reason: str, *, remedy: str | None = None) -> None:
+        super().__init__(reason if remedy is None else f"{reason}; {remedy}")
+        self.reason = reason
+        self.remedy = remedy
 
 
 class PlacementError(GradaggError):

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from gradagg.errors import GradaggError
+from gradagg.errors import GradaggError, WindowError
 from gradagg.integrations._tokens import label_tokens
 
 Weight = Callable[[Mapping[str, Any]], object]
@@ -136,7 +136,7 @@ class _Exact:
             ledger = acc.finish()  # refuses on every rank a count that cannot count (negative, NaN, infinite)
         except GradaggError as exc:
             self.close()  # the window is dropped here, on every rank (the accumulator's advice to discard() is done)
-            reason = str(exc).removesuffix("; call discard() on every rank")
+            reason = exc.reason if isinstance(exc, WindowError) else str(exc)
             raise type(exc)(
                 f"step {step}: exact() could not finish the Trainer's accumulation window: {reason}; train() stops "
                 "without stepping"

@@ -65,6 +65,20 @@ def test_invalid_weight_values_poison_the_window(bad: object) -> None:
         acc.finish()
 
 
+def test_a_refused_window_names_its_remedy_apart_from_its_reason() -> None:
+    """finish() refused: the message ends with the remedy; ``reason``, what a discarding wrapper reports, lacks it."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    with acc.microbatch(weight=-1):
+        w.loss_of(model, w.microbatches(1)[0]).backward()
+    with pytest.raises(WindowError) as caught:
+        acc.finish()
+    assert str(caught.value).endswith("; call discard() on every rank"), str(caught.value)
+    assert caught.value.remedy == "call discard() on every rank"
+    assert "microbatch 0 has weight" in caught.value.reason and "discard()" not in caught.value.reason
+    acc.discard()
+
+
 def test_mixed_weighting_and_zero_total_weight() -> None:
     """Weighted then unweighted: refused. All weights 0: no mean to take (D = 0), refused."""
     model = w.TinyMoE()

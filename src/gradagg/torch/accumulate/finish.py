@@ -147,7 +147,8 @@ def _raise_if_any_failed(state: State, counts: Counts) -> None:
     w.fail(PEER, f"rank(s) {sorted(r for r in bad if r >= 0)} failed in the window")
     w.open = True  # stays refused on every rank until discard()
     reasons = "; ".join(why if r < 0 else f"rank {r} {why}" for r, why in sorted(bad.items()))
-    raise WindowError(f"rank {rank}: finish() refused on every rank: {reasons}{mine}; call discard() on every rank")
+    raise WindowError(f"rank {rank}: finish() refused on every rank: {reasons}{mine}",
+                      remedy="call discard() on every rank")
 
 
 def _install(state: State, counts: Counts, divisor: float) -> None:
