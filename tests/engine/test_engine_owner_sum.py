@@ -232,6 +232,25 @@ def test_ids_that_grow_or_leave_the_dense_table_keep_row_order(
         assert_same(run(engine, columns), reference_of(columns), (engine, late_ids, chunk))
 
 
+@pytest.mark.parametrize("jump", [0, 2047, 2048, 2049, 4097, 9999])
+@pytest.mark.parametrize("chunk", [None, 1000], ids=["one-pass", "two-core-split"])
+def test_ids_that_grow_at_a_block_edge_keep_row_order(
+    monkeypatch: pytest.MonkeyPatch, jump: int, chunk: int | None
+) -> None:
+    """The fused kernel lists a block of 2048 rows' owner rows, then adds them: ids that grow the dense table
+    at, just before or just after a block's edge (and in a later block) still give the reference's bits."""
+    if chunk is not None:
+        monkeypatch.setattr(_tables, "CHUNK", chunk)
+    monkeypatch.setattr(_tables, "DENSE_LIMIT", 1 << 16)
+    shard, worker, owner, grad = random_columns(10 + jump, 10_000, "dense", "f64")
+    shard[jump:] += 30_000
+    worker[jump] = owner[jump]  # the row where the ids jump is an owner row: the kernel stops exactly there
+    shard[jump + 1 :: 3000] -= 30_000  # and some later rows fall back into the old range
+    columns = (shard, worker, owner, grad)
+    for engine in NUMPY_LIKE:
+        assert_same(run(engine, columns), reference_of(columns), (engine, jump, chunk))
+
+
 @pytest.mark.parametrize("ids", ["dense", "sparse"])
 def test_vector_components_split_between_threads(monkeypatch: pytest.MonkeyPatch, ids: str) -> None:
     """Big vector batches sum half the components on a second thread (with the kernels): the reference's bits."""

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 # Parameters per block in the microbatch mean: 4 Ki float64 sums (32 KiB) stay
 # in L1 while all M microbatches are added into them.
 BLOCK = 1 << 12
+# Rows per block of the owner-sum's fused pass: the block's owner-row indices (16 KiB) stay in L1.
+_ROWS = 1 << 11
 
 
 def _jit() -> Callable[[Callable[..., Any]], Any]:
@@ -61,18 +63,28 @@ def dense_scalar(
     Stops at the first owner row whose shard falls outside the table and
     returns its index (the caller grows the table and resumes there), or
     returns N when done. So no separate pass is needed to find the id range.
-    A branch on ownership measured faster than a branch-free "replica slot":
-    that slot made every replica row wait on the previous one's add.
+    Rows go in blocks: first the indices of a block's owner rows are listed
+    without a branch (the index is always written, the count grows only on an
+    owner row), then those rows are added. A branch on ownership per row is
+    mispredicted whenever owners and replicas interleave; a branch-free
+    "replica slot" made every replica row wait on the previous one's add.
     """
     hi = lo + (totals.shape[0] - 1)  # the caller keeps lo .. hi inside int64; shard - lo could overflow
-    for i in range(start, shards.shape[0]):
-        if workers[i] == owners[i]:
+    n = shards.shape[0]
+    rows = np.empty(_ROWS, dtype=np.int64)
+    for first in range(start, n, _ROWS):
+        k = 0
+        for i in range(first, min(first + _ROWS, n)):
+            rows[k] = i
+            k += workers[i] == owners[i]
+        for q in range(k):
+            i = rows[q]
             shard = shards[i]
             if shard < lo or shard > hi:
-                return i
+                return int(i)
             totals[shard - lo] += gradients[i]
             seen[shard - lo] = 1
-    return int(shards.shape[0])
+    return int(n)
 
 
 @_jit()
@@ -93,14 +105,14 @@ def compact_owned(shards: Any, workers: Any, owners: Any, gradients: Any, out_sh
     """Copy the owner rows' shard ids and gradients, in row order, to the front of the outputs; return how many.
 
     Run on a second core while the first adds earlier rows: the adding thread
-    then reads 16 bytes per owner row instead of 32 bytes per row.
+    then reads 16 bytes per owner row instead of 32 bytes per row. The outputs
+    hold as many rows as the inputs (every row is written before it is kept or not).
     """
     k = 0
-    for i in range(shards.shape[0]):
-        if workers[i] == owners[i]:
-            out_shards[k] = shards[i]
-            out_gradients[k] = gradients[i]
-            k += 1
+    for i in range(shards.shape[0]):  # without a branch: every row is written, only an owner row is kept
+        out_shards[k] = shards[i]
+        out_gradients[k] = gradients[i]
+        k += workers[i] == owners[i]
     return k
 
 
