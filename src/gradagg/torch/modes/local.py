@@ -50,7 +50,7 @@ def mode_of(mode: object) -> Mode:
     True
     """
     try:
-        return Mode(mode)
+        return Mode(mode)  # type: ignore[arg-type]
     except ValueError:
         raise GradaggError(
             f"unknown aggregation mode {mode!r}; expected one of {', '.join(m.value for m in Mode)}"
