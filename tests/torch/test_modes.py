@@ -4,7 +4,7 @@ One process: for seeded windows (the seed is printed), the parts of every microb
 ``finish()`` does equal :func:`gradagg.modes_reference.aggregate` over the full batch, whole sequences
 (as you go) and sequences split across microbatches (planned), padded and packed rows; the known wrong fixes
 (mean of microbatch means; the generation batch's count; the local count) fail the same check. Then 2 and
-3 gloo ranks, plain and DDP (and FSDP2), uneven microbatch counts with a rank running none: the gradient
+3 gloo ranks, plain, DDP and FSDP2, uneven microbatch counts with a rank running none: the gradient
 against the float64 one-process full batch.
 """
 
@@ -227,9 +227,10 @@ def _check_world(results: list[dict[str, Any]], n_cases: int) -> None:
 
 
 @pytest.mark.parametrize("counts", [[0, 3], [2, 3]], ids=["0+3", "2+3"])
-def test_two_ranks_plain_and_ddp(counts: list[int]) -> None:
-    """Every mode, whole and split sequences, plain module and DDP, rank 0 with none or fewer microbatches."""
-    kinds = ["plain", "ddp"]
+def test_two_ranks_plain_ddp_and_fsdp2(counts: list[int]) -> None:
+    """Every mode, whole and split sequences, plain module, DDP and FSDP2 (fully_shard, the default shards form:
+    a rank that ran out pads), rank 0 with none or fewer microbatches."""
+    kinds = ["plain", "ddp", "fsdp"]
     results = run_local_world(wm.modes_world, 2, 7, counts, kinds, **WORLD)
     _check_world(results, 2 * len(Mode) * len(kinds))
 
