@@ -238,3 +238,18 @@ def test_two_ranks_plain_ddp_and_fsdp2(counts: list[int]) -> None:
 def test_three_ranks_uneven_with_one_empty() -> None:
     results = run_local_world(wm.modes_world, 3, 3, [1, 0, 3], ["ddp"], **WORLD)
     _check_world(results, 2 * len(Mode))
+
+
+def test_plan_window_refuses_on_every_rank() -> None:
+    """One rank's bad layout, or ranks that disagree: a GradaggError on both ranks, naming the rank and what."""
+    results = run_local_world(wm.refusals_world, 2, **WORLD)
+    expected = {
+        "bad ids on rank 1": "rank 1: microbatch 0: seq_ids has 1 ids for the 2 sequences",
+        "a sequence in two groups": "sequence 0 is in group 0 on rank 0 microbatch 0 but in group 1 on rank 1",
+        "another mode on rank 1": "rank 0: token-mean norm=None, rank 1: seq-mean-token-sum norm=None",
+        "nothing valid anywhere": "no valid token in the window on any of the 2 ranks",
+    }
+    for r, res in enumerate(results):
+        for case, fragment in expected.items():
+            assert res[case] is not None and res[case][0] == "GradaggError", (case, r, res[case])
+            assert fragment in res[case][1], (case, r, res[case][1])

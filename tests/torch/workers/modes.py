@@ -199,3 +199,20 @@ def modes_world(seed: int, counts: list[int], kinds: list[str]) -> dict[str, Any
                 err = float((got["grad"] - want).abs().max() / want.abs().max())
                 out[f"{mode.value} {'split' if split else 'whole'} {kind}"] = (err, got["divisor"])
     return out
+
+
+def refusals_world() -> dict[str, Any]:
+    """plan_window given bad input on one rank only, or ranks that disagree: (error class, message) per rank."""
+    from tests.torch.workers.dist import error_of
+
+    rank, ok = dist.get_rank(), Layout(torch.ones(1, 2), seq_ids=[0], group_ids=[0])
+    bad_ids = [Layout(torch.ones(2, 2), seq_ids=[1])] if rank == 1 else [ok]
+    other_group = [Layout(torch.ones(1, 2), seq_ids=[0], group_ids=[rank])]  # sequence 0 in group 0 and group 1
+    return {
+        "bad ids on rank 1": error_of(lambda: plan_window("token-mean", bad_ids)),
+        "a sequence in two groups": error_of(lambda: plan_window("group-token-mean", other_group)),
+        "another mode on rank 1": error_of(
+            lambda: plan_window("token-mean" if rank == 0 else "seq-mean-token-sum", [ok])
+        ),
+        "nothing valid anywhere": error_of(lambda: plan_window("token-mean", [Layout(torch.zeros(1, 2))] * rank)),
+    }
