@@ -21,6 +21,11 @@ divides the sum over every microbatch of every rank by the sum of every weight, 
 mode's gradient over the window, however the window is split into microbatches and ranks (uneven, none on
 a rank included). "sequences" counts the microbatch's non-empty ones.
 
+TRL's ``loss_type`` read over the window: ``grpo`` is seq-mean-token-mean; ``bnpo``, ``dapo`` and ``cispo``
+are token-mean (TRL divides by the microbatch's or the generation batch's count instead); ``dr_grpo`` is
+seq-mean-token-sum-norm with C = ``max_completion_length`` (TRL also counts fully masked completions in |S|;
+here they count in no divisor).
+
 **Counted as the window runs** (:func:`token_mean` and the three ``seq-*`` functions): every sequence must be
 whole inside one microbatch (a row, or a segment of a packed row). No collective beyond ``finish()``'s.
 
