@@ -386,3 +386,18 @@ def test_auto_on_a_parquet_file_is_numpy_never_numba(tmp_path: Path, engine: str
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.splitlines()[-1] == str(loads_numba), proc.stdout
+
+
+@pytest.mark.parametrize("engine", ["numpy", *JIT, "torch"])
+@pytest.mark.parametrize("gradients", [[2**64 - 1, 1], [2**64 - 1]])
+def test_uint64_parquet_gradients_beyond_int64(tmp_path: Path, cli: Any, engine: str, gradients: list[int]) -> None:
+    """Issue 22: uint64 gradients past int64 in a Parquet file. The torch engine printed [[1, 0]] (2**64 wrapped)
+    or [[7, -1]], exit 0; every fixed-width engine must refuse by name, and python sums them exactly."""
+    skip_missing(engine)
+    n = len(gradients)
+    table = pa.table({"shard_id": pa.array([7] * n, pa.int64()), "worker_id": pa.array([0] * n, pa.int64()),
+                      "owner_id": pa.array([0] * n, pa.int64()), "gradient": pa.array(gradients, pa.uint64())})
+    pq.write_table(table, tmp_path / "f.parquet")
+    path = str(tmp_path / "f.parquet")
+    assert_one_line_error(*cli("owner-sum", path, "--engine", engine), "beyond int64")
+    assert cli("owner-sum", path, "--engine", "python") == (0, f"[[7, {sum(gradients)}]]\n", "")

@@ -260,15 +260,31 @@ def _merge_keys(old: Any, shards: Any, owned: Any, device: Any) -> tuple[Any, An
     return keys, inverse[: len(old)], inverse[len(old) :]
 
 
+# Unsigned dtypes wider than uint8: ``.to(torch.int64)`` wraps uint64 past 2**63 - 1 (2**64 - 1 becomes -1), so
+# they go through the host's checks, which widen them to int64 or refuse, naming the value, as the NumPy engine does.
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
 def _numeric_tensor(x: object, name: str) -> Tensor:
-    """Numbers must come as a tensor: :mod:`gradagg.engine` converts every other input kind."""
+    """Numbers must come as a tensor: :mod:`gradagg.engine` converts every other input kind.
+
+    Raises:
+        GradaggError: uint64 values beyond int64 (a fixed-width engine cannot sum them; python can).
+    """
     if isinstance(x, torch.Tensor):
+        if x.dtype in _WIDE_UNSIGNED:
+            return torch.from_numpy(_checks.widen(x.detach().cpu().numpy(), name)).to(x.device)
         return x
     raise GradientTypeError(f"{name}: the torch backend takes tensors, got {type(x).__name__}; use gradagg.engine")
 
 
 def _ids(name: str, x: Any, offset: int) -> tuple[Any, str]:
-    """Integer ids as an int64 tensor; string ids as a NumPy array on the host (``"str"``)."""
+    """Integer ids as an int64 tensor; string ids as a NumPy array on the host (``"str"``).
+
+    Wide unsigned tensors are read on the host: a uint64 id past int64 is an exact Python key (``"object"``).
+    """
+    if isinstance(x, torch.Tensor) and x.dtype in _WIDE_UNSIGNED:
+        x = x.detach().cpu().numpy()
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:
             raise RowShapeError(f"{name} must be one-dimensional (one id per row), got shape {tuple(x.shape)}")

@@ -154,8 +154,17 @@ class Route:
 
 
 def _numpy_of(t: Any) -> Any:
-    """A NumPy array of a tensor: a zero-copy view on CPU, a host copy otherwise."""
-    return t.detach().cpu().numpy() if kind(t) == "torch" else t
+    """A NumPy array of a tensor: a zero-copy view on CPU, a host copy otherwise.
+
+    NumPy has no bfloat16: such a tensor is copied to float32, which holds every bfloat16 value exactly.
+    """
+    if kind(t) != "torch":
+        return t
+    if str(t.dtype) == "torch.bfloat16":
+        import torch
+
+        t = t.to(torch.float32)
+    return t.detach().cpu().numpy()
 
 
 def _tensor_of(x: Any, device: Any) -> Any:
