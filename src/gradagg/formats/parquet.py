@@ -32,7 +32,9 @@ A file is trusted no further than its footer agrees with itself: before any
 row is read, every row group must list one column chunk per schema column and
 the row groups must add up to the file's rows; before any row of a row group is
 handed on, each chunk read must be the schema's column at that place (pyarrow
-reads chunks by position: a reordered chunk would swap columns) and a flat
+reads chunks by position: a reordered chunk would swap columns), by its path
+and by where its data lies (a row group's chunks lie in the schema's order,
+one after another, as every writer lays them out), and a flat
 column's chunk must hold as many values as the row group declares rows; and the
 row group must decode to the rows it declares. Page checksums are verified
 where the writer wrote them. pyarrow's own errors come back as a
@@ -196,15 +198,19 @@ def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, sour
 
     Raises:
         FormatError: a chunk listed at another column's place (pyarrow reads chunks by position: the
-            columns would be swapped), or a flat column's chunk holding another number of values than
-            the row group declares rows.
+            columns would be swapped), whether its path says so or its data's place in the file (data out of
+            the schema's order, or two chunks on the same bytes), or a flat column's chunk holding another
+            number of values than the row group declares rows.
     """
     group, schema = meta.row_group(i), meta.schema
+    before: tuple[str, int, int] | None = None  # the previous column read: its path and its data's byte range
     for j in range(meta.num_columns):
         column = schema.column(j)
         if names is not None and column.path.split(".")[0] not in names:
             continue
         chunk = group.column(j)
+        if group.num_rows:  # (an empty group's chunks have no data page: pyarrow writes offset 0 for each)
+            before = _check_data_order(chunk, column.path, before, f"{source}: row group {i}")
         if chunk.path_in_schema != column.path:
             raise FormatError(
                 f"{source}: row group {i} lists the chunk of column {chunk.path_in_schema!r} where the schema "
@@ -215,6 +221,28 @@ def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, sour
                 f"{source}: row group {i} declares {group.num_rows} rows but its column {column.path!r} holds "
                 f"{chunk.num_values} values; the file is corrupt"
             )
+
+
+def _check_data_order(chunk: Any, path: str, before: tuple[str, int, int] | None, where: str) -> tuple[str, int, int]:
+    """Refuse a chunk whose data starts before the end of the previous column's: return its path and byte range.
+
+    A chunk's path can be rewritten to the schema's at its place while its offsets still point at another
+    column's data (pyarrow then reads shard ids as gradients); every writer lays a row group's chunks out in
+    the schema's order, one after another, so data out of that order, or two chunks on one place, is refused.
+    """
+    start = chunk.data_page_offset  # where pyarrow starts reading the chunk (its ComputeColumnChunkRange)
+    dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+    if dictionary is not None and 0 < dictionary < start:
+        start = dictionary
+    end = start + chunk.total_compressed_size
+    if before is not None and start < before[2]:
+        place = "before" if start < before[1] else "within"
+        raise FormatError(
+            f"{where}: the data of column {path!r} lies {place} the data of column {before[0]!r} (bytes "
+            f"{start}..{end} and {before[1]}..{before[2]}); the chunks are listed in another order than their "
+            "data, and read by position the columns would be swapped"
+        )
+    return path, start, end
 
 
 def _largest_row_group(pf: pq.ParquetFile) -> int:
