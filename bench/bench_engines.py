@@ -75,7 +75,7 @@ def floor_runner(columns: list[Any]) -> Runner:
 def gradagg_runners(d: dict[str, Any]) -> dict[str, Runner]:
     import torch
 
-    from gradagg.engine import owner_sum_columns
+    from gradagg.rows import owner_sum_columns
 
     cols = [d["shard_id"], d["worker_id"], d["owner_id"], d["gradient"]]
     tcols = [c if c.dtype.kind == "U" else torch.from_numpy(c) for c in cols]
@@ -123,7 +123,7 @@ def mean_case(label: str, m: int, p: int, seed: int) -> Case:
     import pyarrow as pa
     import torch
 
-    from gradagg.engine import microbatch_mean_columns
+    from gradagg.rows import microbatch_mean_columns
 
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((m, p), dtype=np.float32)

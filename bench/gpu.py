@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_against_reference(torch: Any, device: Any) -> list[str]:
     """Seeded inputs through the CUDA path; a list of failure messages (empty when all agree)."""
     from gradagg import reference
-    from gradagg.engine import microbatch_mean_columns, owner_sum_columns, python_values
+    from gradagg.rows import microbatch_mean_columns, owner_sum_columns, python_values
 
     failures = []
     for seed in range(3):
@@ -129,7 +129,7 @@ def time_owner_sum(torch: Any, device: Any, n: int, repeat: int) -> None:
 
 
 def _time_case(torch: Any, device: Any, gen: Any, n: int, shards: int, repeat: int) -> None:
-    from gradagg.engine import owner_sum_columns
+    from gradagg.rows import owner_sum_columns
 
     shard = torch.randint(0, shards, (n,), generator=gen, device=device)
     owner = shard * 7919 % 3  # each shard's owner is fixed; with 3 workers, ~1/3 of rows count

@@ -9,14 +9,13 @@ Two contracts, each declared, checked and visible:
   microbatches, never an activity counter.
 
 See :mod:`gradagg.reference` for the vocabulary (shard, worker, owner, replica,
-microbatch, absent, participation, divisor). ``import gradagg`` imports no
-heavy framework: NumPy, PyTorch and PyArrow are loaded only by the modules that
-need them (``gradagg.engine``, ``gradagg.backends.*``, ``gradagg.torch``).
+microbatch, absent, participation, divisor). Training loops use
+:mod:`gradagg.torch` and :mod:`gradagg.integrations`; the file side (columnar
+engines, Parquet/JSON/CSV, the ``owner-sum`` and ``mean`` commands) is
+:mod:`gradagg.rows`, behind the ``rows`` extra. ``import gradagg`` imports no
+heavy framework: NumPy, PyTorch and PyArrow are loaded only by the modules
+that need them.
 """
-
-from __future__ import annotations
-
-from typing import Any
 
 from gradagg.errors import (
     CollectiveError,
@@ -53,14 +52,16 @@ __all__ = [
     "owner_sum",
 ]
 
-# Columnar entry points live in gradagg.engine, which imports NumPy; resolve
-# them lazily so that `import gradagg` stays free of heavy imports.
-_LAZY = {"owner_sum_columns": "gradagg.engine", "microbatch_mean_columns": "gradagg.engine"}
+# Names that moved to gradagg.rows: asked for here, the error says where they are now.
+_MOVED = ("owner_sum_columns", "microbatch_mean_columns")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(f"gradagg.{name} is now gradagg.rows.{name} (the file side, behind the rows extra)")
     raise AttributeError(f"module 'gradagg' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The API only: the names in ``__all__`` and ``__version__`` (no imports, no submodules)."""
+    return sorted([*__all__, "__version__"])

@@ -17,7 +17,10 @@ NONFINITE: tuple[str, ...] = ("propagate", "raise")
 
 Format: TypeAlias = Literal["json", "jsonl", "csv", "parquet"]
 FORMATS: tuple[str, ...] = ("json", "jsonl", "csv", "parquet")
-"""Input formats of the command line: JSON, JSON Lines and CSV (:mod:`gradagg.formats.text`), Parquet."""
+"""Input formats of the command line: JSON, JSON Lines and CSV (:mod:`gradagg.rows.formats.text`), Parquet."""
+EXTENSIONS: dict[str, str] = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv",
+                              ".parquet": "parquet"}
+"""The formats by extension (lower case), in and out: :mod:`gradagg.rows.formats.detect`'s one table."""
 
 Contract: TypeAlias = Literal["owner-sum", "microbatch-mean"]
 CONTRACTS: tuple[Contract, ...] = ("owner-sum", "microbatch-mean")
@@ -25,7 +28,7 @@ CONTRACTS: tuple[Contract, ...] = ("owner-sum", "microbatch-mean")
 
 Engine: TypeAlias = Literal["auto", "python", "numpy", "numba", "torch"]
 ENGINES: tuple[str, ...] = ("auto", "python", "numpy", "numba", "torch")
-"""``"auto"`` lets :mod:`gradagg.engine` choose by the input's kind; the others name a backend."""
+"""``"auto"`` lets :mod:`gradagg.rows.engine` choose by the input's kind; the others name a backend."""
 
 
 def check_nonfinite(nonfinite: object) -> NonFinite:
@@ -52,3 +55,12 @@ def check_engine(engine: object) -> Engine:
     if not isinstance(engine, str) or engine not in ENGINES:
         raise GradaggError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     return engine  # type: ignore[return-value]
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra: from a clone of the repository, since gradagg is not published on PyPI.
+
+    >>> install_hint("rows")
+    "pip install -e '.[rows]' in a clone of gradagg (it is not on PyPI)"
+    """
+    return f"pip install -e '.[{extra}]' in a clone of gradagg (it is not on PyPI)"

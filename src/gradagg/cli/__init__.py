@@ -1,10 +1,11 @@
 """The ``gradagg`` command line: parse, read, apply the contract, write; nothing else.
 
 * :mod:`gradagg.cli.parser`: the options and ``--help`` of every subcommand;
-* :mod:`gradagg.cli.commands`: ``owner-sum`` and ``mean`` (read, apply, write) and ``verify``;
-  ``demo`` and ``parity`` are their own packages, imported only when named;
-* :mod:`gradagg.cli.signals`: SIGTERM and SIGHUP as exceptions, and the exit status of every ending;
-* :mod:`gradagg.cli.progress`: the progress line of long Parquet inputs.
+* :mod:`gradagg.cli.commands`: ``verify``, and ``owner-sum`` and ``mean`` handed to
+  :mod:`gradagg.rows.commands` (read, apply, write) where the ``rows`` extra is installed
+  (without it: one line naming the install, exit 2); ``demo`` and ``parity`` are their own
+  packages, imported only when named;
+* :mod:`gradagg.cli.signals`: SIGTERM and SIGHUP as exceptions, and the exit status of every ending.
 
 Exit status: 0 success, 1 a check failed (``verify``, ``demo``, ``parity``), 2 usage
 or input error, reported as one line ``gradagg: error: ...`` on stderr naming the file

@@ -1,96 +1,58 @@
-"""The commands: ``owner-sum`` and ``mean`` read, apply the contract, write; ``verify`` runs the checks.
+"""The handlers the parser names: ``verify`` here; ``owner-sum`` and ``mean`` in :mod:`gradagg.rows.commands`.
 
-Each reads its input once (:func:`gradagg.formats.detect.read_input`), hands
-the rows or Parquet batches to :mod:`gradagg.engine` (``owner-sum`` feeds an
-accumulator, chosen before the input is read), and writes the result
-(:mod:`gradagg.formats.results`). An error in the input names the file
-(:func:`gradagg.formats.detect.named_errors`).
+The file commands run only where the ``rows`` extra (NumPy, pyarrow) is
+installed; without it they end with one line naming the install, exit 2,
+before anything is read. The check finds the packages without importing them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
 
-from gradagg.cli.progress import progress_for
-from gradagg.errors import FormatError, GradaggError, OutputError
-from gradagg.formats import detect, parquet_module, results, text
-from gradagg.formats.atomic import check_target
-from gradagg.options import CONTRACTS
+from gradagg.errors import GradaggError
+from gradagg.options import CONTRACTS, install_hint
 
 EXIT_OK, EXIT_FAILED = 0, 1
-OWNER_SUM, MEAN = CONTRACTS
+ROWS_PACKAGES = ("numpy", "pyarrow")  # what the file commands import (orjson is optional: json writes without it)
 
 
 def owner_sum(args: argparse.Namespace) -> int:
-    """``gradagg owner-sum``: each shard's total over its owner's rows, sorted by shard."""
-    from gradagg import engine
+    """``gradagg owner-sum``: :func:`gradagg.rows.commands.owner_sum`, where the rows extra is installed."""
+    _need_rows(args.command)
+    from gradagg.rows import commands
 
-    batch_engine = _file_engine(args.engine)
-    totals_of = engine.OwnerSumAccumulator(engine=batch_engine, nonfinite=args.nonfinite)  # the contract, chosen
-    source = _read(args, OWNER_SUM)
-    with detect.named_errors(source, OWNER_SUM), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
-        if source.fmt == "parquet":
-            for batch in parquet_module(FormatError, "reading").owner_batches(source.parquet, progress=progress):
-                totals_of.update(*batch)
-            shards, totals = totals_of.result()
-        else:
-            rows = text.read_owner_rows(source.text, source.fmt, source.name)
-            pairs = engine.owner_sum_rows(rows, engine=args.engine, nonfinite=args.nonfinite)
-            shards, totals = [s for s, _ in pairs], [t for _, t in pairs]
-    results.write_owner_sum(args.output, shards, totals)
-    return EXIT_OK
+    return commands.owner_sum(args)
 
 
 def mean(args: argparse.Namespace) -> int:
-    """``gradagg mean``: each parameter's sum over the M microbatches, divided by M."""
-    from gradagg import engine
+    """``gradagg mean``: :func:`gradagg.rows.commands.mean`, where the rows extra is installed."""
+    _need_rows(args.command)
+    from gradagg.rows import commands
 
-    source = _read(args, MEAN)
-    with detect.named_errors(source, MEAN), progress_for(quiet=args.quiet, stream=sys.stderr) as progress:
-        if source.fmt == "parquet":
-            text.check_header(args.header, source.fmt, source.name)  # (the text readers check it themselves)
-            batches = parquet_module(FormatError, "reading").microbatch_batches(source.parquet, progress=progress)
-            means = engine.microbatch_mean_batches(batches, engine=_file_engine(args.engine), nonfinite=args.nonfinite)
-        else:
-            rows, counts = text.read_microbatches(source.text, source.fmt, source.name, header=args.header)
-            means = engine.microbatch_mean_rows(rows, counts, engine=args.engine, nonfinite=args.nonfinite)
-    results.write_mean(args.output, means)
-    return EXIT_OK
+    return commands.mean(args)
 
 
-def _read(args: argparse.Namespace, contract: str) -> detect.Input:
-    """Check the engine and ``-o`` (before any work), find the input's format and read what is read whole."""
-    _check_engine(args.engine)
-    if args.output is not None:
-        check_target(args.output)
-    elif sys.stdout is None:
-        raise OutputError("standard output is closed; pass -o OUT to write the result to a file")
-    return detect.read_input(args.file, args.format, contract, getattr(sys.stdin, "buffer", None))
+def _need_rows(command: str) -> None:
+    """Refuse a file command in one line where a package of the rows extra is missing (or blocked)."""
+    missing = [name for name in ROWS_PACKAGES if not _importable(name)]
+    if missing:
+        raise GradaggError(f"gradagg {command} needs {' and '.join(missing)} (the rows extra), which "
+                           f"{'is' if len(missing) == 1 else 'are'} not installed here; install it with: "
+                           f"{install_hint('rows')}")
 
 
-def _file_engine(name: str) -> str:
-    """The engine for a Parquet file's batches: ``--engine auto`` is numpy here, resolved by the command.
-
-    One run over one file does not pay numba's import and kernel loading (the
-    library's ``"auto"`` would pick numba for NumPy batches); ``--engine numba``
-    still asks for it. Without NumPy, ``auto`` stays ``auto`` (the engine's
-    own fallback).
-    """
-    from gradagg.engine import available_engines
-
-    return "numpy" if name == "auto" and "numpy" in available_engines() else name
-
-
-def _check_engine(name: str) -> None:
-    from gradagg.engine import available_engines
-
-    if name != "auto" and name not in available_engines():
-        extra = "jit" if name == "numba" else name
-        raise GradaggError(f"--engine {name} needs {name}, which is not installed here; install it with: "
-                           f"pip install 'gradagg[{extra}]' (or use --engine auto or python)")
+def _importable(name: str) -> bool:
+    """Whether ``name`` can be imported, without importing it (None in ``sys.modules`` cannot be)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def verify(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The options of every subcommand; ``gradagg --help`` and each subcommand's ``--help`` come from here.
 
 Parsing imports nothing heavy: the handlers of ``owner-sum``, ``mean`` and
-``verify`` are in :mod:`gradagg.cli.commands` (which imports the engine only
+``verify`` are in :mod:`gradagg.rows.commands` (which imports the engine only
 when a command runs); ``demo`` and ``parity`` bring their own options, imported
 only when that subcommand is named.
 """
@@ -16,8 +16,7 @@ from typing import Any, NoReturn
 
 from gradagg.cli import commands
 from gradagg.cli.signals import EXIT_USAGE, fail
-from gradagg.formats.detect import OUTPUT_FORMATS
-from gradagg.options import CONTRACTS, ENGINES, FORMATS, NONFINITE
+from gradagg.options import CONTRACTS, ENGINES, EXTENSIONS, FORMATS, NONFINITE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,7 +79,7 @@ def _add_input_options(p: argparse.ArgumentParser, formats: str) -> None:
 def _output_formats() -> str:
     names = {"json": "JSON", "jsonl": "JSON Lines", "csv": "CSV", "parquet": "Parquet"}
     by_format: dict[str, list[str]] = {}
-    for ext, fmt in OUTPUT_FORMATS.items():
+    for ext, fmt in EXTENSIONS.items():
         by_format.setdefault(fmt, []).append(ext)
     return ", ".join(f"{' or '.join(exts)} writes {names[fmt]}" for fmt, exts in by_format.items())
 

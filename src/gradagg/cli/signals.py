@@ -17,6 +17,7 @@ from types import FrameType
 from typing import NoReturn
 
 from gradagg.errors import GradaggError
+from gradagg.options import install_hint
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_BROKEN_PIPE = 128 + 13  # as `head`'s writers end: SIGPIPE's status, without the signal's default death
@@ -57,7 +58,7 @@ def _failed(exc: Exception, args: argparse.Namespace) -> int:
         fail(f"{where + ': ' if where else ''}{exc.strerror or exc}")
     if isinstance(exc, ImportError):  # an optional package that is missing, where no better message was given
         fail(f"{exc.name or 'a package'} is needed and cannot be imported ({exc}); install it, for example with "
-             "pip install 'gradagg[all]'")
+             f"{install_hint('all')}")
     if isinstance(exc, MemoryError):
         fail(f"{where + ': ' if where else ''}out of memory: the input and what it is turned into do not fit in the "
              "memory allowed (ulimit -v, or the machine's); Parquet input is read in batches, text input whole")

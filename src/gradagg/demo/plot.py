@@ -27,7 +27,7 @@ def write_plot(path: str, outcome: Outcome, counts: tuple[int, ...]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from gradagg.formats.atomic import atomic_path
+    from gradagg.rows.formats.atomic import atomic_path
 
     rows = len(outcome.cases)
     fig = Figure(figsize=(11, 4.2 * rows), layout="constrained")
