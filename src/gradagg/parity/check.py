@@ -49,21 +49,23 @@ def check_parity(
     Raises:
         ScriptError: SCRIPT.py cannot be used: missing, does not import, lacks a function, its model or
             window is not deterministic, its full-batch loss has no usable gradient.
-        GradaggError: a layout does not sum to the window or has too many ranks; ``rtol`` out of range.
+        GradaggError: a layout does not sum to the window or has too many ranks; ``rtol`` out of range; torch is
+            not installed (said after SCRIPT.py is found, so a missing file is named first).
 
     Starting processes is not for a doctest, hence the skip (tests/test_parity.py runs it)::
 
     >>> check_parity("examples/parity/token_mean_by_hand.py").passed  # doctest: +SKIP
     True
     """
+    from gradagg.parity.script import check_file  # torch-free: a missing file is named even without torch
+
     start = time.perf_counter()
+    check_file(script)  # at once, before torch is needed and before any process starts
     require_torch("gradagg parity")
     from gradagg.parity.compare import default_rtol
-    from gradagg.parity.script import check_file
     from gradagg.parity.truth import compute_truth
     from gradagg.parity.types import Truth
 
-    check_file(script)  # at once, before any process starts
     path = os.path.abspath(script)  # now: the ranks may not share our working folder
     checked = compute_truth(script, timeout_s, _PRELOAD)
     chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
