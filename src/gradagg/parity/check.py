@@ -62,7 +62,7 @@ def check_parity(
     start = time.perf_counter()
     check_file(script)  # at once, before torch is needed and before any process starts
     require_torch("gradagg parity")
-    from gradagg.parity.compare import default_rtol
+    from gradagg.parity.compare import RTOL_BY_DTYPE, default_rtol
     from gradagg.parity.truth import compute_truth
     from gradagg.parity.types import Truth
 
@@ -70,11 +70,12 @@ def check_parity(
     checked = compute_truth(script, timeout_s, _PRELOAD)
     chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
                            checked.window)
-    truth = Truth.of(checked.grads)
-    tol = _checked_rtol(default_rtol(truth) if rtol is None else rtol)
+    computes_in = _computes_in(checked)
+    truth = Truth.of(checked.grads, computes_in, RTOL_BY_DTYPE.get(computes_in, 0.0))
+    tol = _checked_rtol(max(default_rtol(truth), truth.roundoff) if rtol is None else rtol)
     observations = [_observe(script, path, layout, truth, tol, checked, timeout_s, collective_timeout_s)
                     for layout in chosen]
-    return ParityReport(script, checked.window, _lowest_dtype(truth.grads), tol, observations,
+    return ParityReport(script, checked.window, computes_in.removeprefix("torch."), tol, observations,
                         time.perf_counter() - start)
 
 
@@ -90,7 +91,17 @@ def _lowest_dtype(grads: Mapping[str, Any]) -> str:
 
     dtypes = sorted({str(g.dtype) for g in grads.values() if g is not None},
                     key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
-    return dtypes[-1].removeprefix("torch.")
+    return dtypes[-1]
+
+
+def _computes_in(checked: TruthResult) -> str:
+    """What the full batch computes in: the lower precision of its gradients' dtype and its operations' lowest
+    floating dtype (a float64 model whose loss casts the logits to float32 computes in float32)."""
+    from gradagg.parity.compare import RTOL_BY_DTYPE
+
+    grads = _lowest_dtype(checked.grads)
+    ops = checked.computes_in or grads
+    return max((grads, ops), key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
 
 
 def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, checked: TruthResult,
