@@ -113,8 +113,9 @@ def test_every_trl_trainer_class_is_supported_or_refused_by_name() -> None:
     import pkgutil
 
     import trl
-    from gradagg.integrations._trl import check_trl
     from transformers import Trainer
+
+    from gradagg.integrations._trl import check_trl
 
     classes: set[type] = set()
     for info in pkgutil.walk_packages(trl.__path__, "trl."):
@@ -143,8 +144,9 @@ def test_every_trl_trainer_class_is_supported_or_refused_by_name() -> None:
 
 
 def test_a_users_subclass_is_what_it_subclasses() -> None:
-    from gradagg.integrations._trl import check_trl
     from trl import GRPOTrainer, SFTTrainer
+
+    from gradagg.integrations._trl import check_trl
 
     assert check_trl(object.__new__(type("MySFT", (SFTTrainer,), {}))) == "sft"
     with pytest.raises(GradaggError, match="cannot make this MyGRPO exact: GRPO is not yet supported"):

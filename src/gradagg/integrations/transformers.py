@@ -39,14 +39,14 @@ preference pairs for TRL's ``DPOTrainer`` (half the rows of ``input_ids``); ``ex
 for any other loss (``fn(inputs)``, the dict ``compute_loss`` receives; the loss is then taken as its mean over that
 count). A ``compute_loss_func`` (which needs ``weight=``) receives that count as ``num_items_in_batch``, the
 microbatch's own: a loss written ``sum / num_items_in_batch`` and one that returns its mean are both that mean.
+A microbatch that counts 0 runs its forward but its backward reaches no parameter. A count that is not a number is
+refused at once; a negative, NaN or infinite one makes ``finish()`` refuse the window on every rank (a ``WindowError``
+naming the step, the rank, the microbatch and the value), and ``train()`` stops there without stepping.
 
 TRL: ``SFTTrainer`` and ``DPOTrainer`` (loss types that are a mean of a per-pair loss) are made exact; every other
 TRL trainer (GRPO, RLOO, KTO, ...) is refused by ``exact()`` itself, naming it (:mod:`gradagg.integrations._trl`).
 Their ``compute_loss`` gathers metrics across ranks at every microbatch, so ranks that would run different numbers
-of microbatches (Accelerate's ``even_batches=False``) are refused on every rank at ``on_train_begin``. A microbatch that counts 0 runs its forward but its backward
-reaches no parameter. A count that is not a number is refused at once; a negative, NaN or infinite one makes
-``finish()`` refuse the window on every rank (a ``WindowError`` naming the step, the rank, the microbatch and the
-value), and ``train()`` stops there without stepping.
+of microbatches (Accelerate's ``even_batches=False``) are refused on every rank at ``on_train_begin``.
 """
 
 from __future__ import annotations
