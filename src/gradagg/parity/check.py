@@ -35,8 +35,11 @@ def check_parity(
         script: path of SCRIPT.py (see the module docstring for what it defines).
         layouts: microbatches per rank, one sequence per layout, each summing to the window; default (None or
             empty): one process, the most even split on 2 ranks, and 1 against the rest (``default_layouts``).
-        rtol: the largest relative error that passes; default by dtype: 1e-9 float64, 1e-3 float32,
-            5e-2 half precision (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons).
+        rtol: the largest relative error that passes; default by the lowest precision the full batch computes in
+            (its gradients' dtype, or lower where its operations cast: a float64 model whose loss casts the logits
+            to float32 computes in float32): 1e-9 float64, 1e-3 float32, 5e-2 half precision
+            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons). A layout whose error is within that
+            round-off but above an explicit ``rtol`` is diagnosed as round-off, not as a weighting mistake.
         timeout_s: deadline of each world, start-up included.
         collective_timeout_s: how long a rank waits in a collective for a peer.
 
