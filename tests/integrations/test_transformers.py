@@ -49,6 +49,11 @@ CASES: dict[str, hf.Case] = {
     "native/clip_no_kwargs": {"clip": CLIP, "loss_kwargs": False},
     "exact/tagging": {"exact": True, "loss": "tagging", "weight": True},
     "native/tagging": {"loss": "tagging"},
+    # a compute_loss_func that divides by num_items_in_batch: exact() passes it the microbatch's count (before: None,
+    # a TypeError; or, written "/ (num_items_in_batch or 1)", the sum, the gradient x the window's count)
+    "exact/tagging_div": {"exact": True, "loss": "tagging_div", "weight": True},
+    "exact/tagging_or1": {"exact": True, "loss": "tagging_or1", "weight": True},
+    "exact/causal_func": {"exact": True, "loss": "causal", "weight": True},
     "exact/fsdp": {"exact": True, "fsdp": True},
     "native/fsdp": {"fsdp": True},
     "exact/fsdp_avg_off": {"exact": True, "fsdp": True, "avg_tokens": False},

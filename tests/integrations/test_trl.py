@@ -33,6 +33,9 @@ CASES: dict[str, hf.Case] = {
     "exact/avg_off": {"trainer": "sft", "exact": True, "avg_tokens": False},
     "native/avg_off": {"trainer": "sft", "avg_tokens": False},
     "exact/clip": {"trainer": "sft", "exact": True, "clip": CLIP},
+    # SFTTrainer calls a compute_loss_func itself: given the microbatch's count as num_items_in_batch
+    "exact/causal_func": {"trainer": "sft", "exact": True, "loss": "causal", "weight": True},
+    "exact/tagging_div": {"trainer": "sft", "exact": True, "loss": "tagging_div", "weight": True},
 }
 
 
@@ -48,7 +51,7 @@ def test_sft_trainer_runs_ddp_with_a_short_last_window(world: dict[str, Any]) ->
         assert [s["sequences"] for s in world[name]["steps"]] == [12, 8], name
 
 
-@pytest.mark.parametrize("config", ["defaults", "avg_off", "clip"])
+@pytest.mark.parametrize("config", ["defaults", "avg_off", "clip", "causal_func", "tagging_div"])
 def test_every_step_is_the_full_batch_token_mean(world: dict[str, Any], config: str) -> None:
     got = world[f"exact/{config}"]
     errors = [s["error"] for s in got["steps"]]

@@ -354,3 +354,21 @@ def test_python_function_raises_for_a_layout_that_does_not_sum() -> None:
         check_parity(_fixture("right"), [(2, 1)])
 
 
+
+
+def test_a_float64_model_whose_loss_casts_to_float32_is_judged_at_float32_round_off() -> None:
+    """The tolerance is what the step computes in: a float64 model whose loss casts the logits to float32 passes
+    by default (its error is float32 round-off, ~1e-7, far above float64's 1e-9); its mean-of-means twin still
+    fails on every layout, blamed on the weighting; at an explicit float64 rtol the right one fails as round-off."""
+    right = check_parity(_fixture("float32_loss_cast"), [(8,), (4, 4), (1, 7)], **FAST)
+    assert right.passed and right.rtol == 1e-3 and right.dtype == "float32", right.observations
+    assert max(o["actual"] for o in right.observations) > 1e-9  # the bar float64 alone would have set
+    wrong = check_parity(_fixture("float32_loss_cast_mean_of_means"), [(8,), (4, 4), (1, 7)], **FAST)
+    assert not any(o["passed"] for o in wrong.observations), wrong.observations
+    for o in wrong.observations:
+        assert o["diagnosis"].startswith("no single factor"), o
+    strict = check_parity(_fixture("float32_loss_cast"), [(4, 4)], rtol=1e-9, **FAST)
+    (o,) = strict.observations
+    assert not o["passed"] and o["ratio"] is None, o
+    assert o["diagnosis"].startswith("round-off, not a weighting mistake: "), o
+    assert "float32" in o["diagnosis"] and "mean of" not in o["diagnosis"], o

@@ -174,3 +174,55 @@ def test_a_gradient_that_could_not_be_read_fails_with_its_reason() -> None:
                               1: {"a": _t(1.0), "b": _t(1.0, 1.0)}}, {}, rtol=0.99)
     assert o["passed"] is False and o["rank"] == 0 and o["parameter"] == "b"
     assert o["actual"] == "rank 0: 'b' cannot be assembled: because" and o["diagnosis"] == o["actual"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=_sizes, noise=st.floats(min_value=0.05, max_value=0.9), seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_an_error_within_the_computing_dtypes_round_off_is_named_round_off(sizes: list[int], noise: float,
+                                                                           seed: int) -> None:
+    """Above an explicit tolerance but within the round-off of what the full batch computes in (float32 here):
+    named round-off, with no factor and no weighting cause."""
+    gen = torch.Generator().manual_seed(seed)
+    truth = Truth.of({f"p{i}": torch.randn(n, generator=gen, dtype=torch.float64) + 3.0
+                      for i, n in enumerate(sizes)}, "torch.float32", 1e-3)
+    got = {}
+    for name, t in truth.grads.items():
+        assert t is not None
+        bump = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        got[name] = t + bump / float(bump.norm()) * noise * truth.roundoff * truth.scale(name)
+    o = judge((2, 2), truth, {0: got, 1: dict(got)}, {}, rtol=RTOL)
+    assert o["passed"] is False and o["ratio"] is None, f"seed {seed}"
+    assert o["diagnosis"].startswith("round-off, not a weighting mistake"), f"seed {seed}: {o['diagnosis']}"
+    assert "float32" in o["diagnosis"] and "mean of" not in o["diagnosis"], f"seed {seed}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=_sizes, k=st.floats(min_value=1.01, max_value=100.0), seed=st.integers(min_value=0, max_value=2**31 - 1))
+def test_a_mistake_beyond_the_round_off_is_still_named_a_mistake(sizes: list[int], k: float, seed: int) -> None:
+    """A factor or a reweighting larger than the round-off of the computing dtype keeps its diagnosis."""
+    gen = torch.Generator().manual_seed(seed)
+    truth = Truth.of({f"p{i}": torch.randn(n, generator=gen, dtype=torch.float64) + 3.0
+                      for i, n in enumerate(sizes)}, "torch.float32", 1e-3)
+    scaled = {name: k * t for name, t in truth.grads.items() if t is not None}
+    o = judge((2, 2), truth, {0: scaled, 1: dict(scaled)}, {}, rtol=RTOL)
+    assert o["ratio"] == pytest.approx(k, rel=1e-9), f"seed {seed}"
+    first = next(iter(truth.grads))
+    reweighted = {name: (k if name == first else 1.0) * t for name, t in truth.grads.items() if t is not None}
+    if len(reweighted) > 1:
+        o = judge((2, 2), truth, {0: reweighted, 1: dict(reweighted)}, {}, rtol=RTOL)
+        assert o["diagnosis"].startswith("no single factor"), f"seed {seed}: {o['diagnosis']}"
+
+
+@pytest.mark.parametrize("cast", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_lowest_dtype_an_operation_computes_in_is_seen(cast: torch.dtype) -> None:
+    """A float64 model whose loss casts its output: the cast's dtype is what the truth computes in."""
+    from gradagg.parity.script import LowestFloat
+
+    model = torch.nn.Linear(3, 2).double()
+    with LowestFloat() as seen:
+        loss = model(torch.ones(4, 3, dtype=torch.float64)).to(cast).float().square().mean()
+        loss.backward()
+    assert seen.lowest() == str(cast)
+    with LowestFloat() as plain:
+        model(torch.ones(4, 3, dtype=torch.float64)).square().mean().backward()
+    assert plain.lowest() == "torch.float64"

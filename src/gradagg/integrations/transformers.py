@@ -12,7 +12,8 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
 ``SFTTrainer`` keep their own ``compute_loss`` and ``training_step``, which are called inside):
 
 * ``compute_loss`` is called with ``num_items_in_batch=None``: the loss comes back as the microbatch's mean over
-  its own tokens (no factor for the world size or the window) and is multiplied by the count, a sum;
+  its own tokens (no factor for the world size or the window; a ``compute_loss_func`` is given the microbatch's
+  own count) and is multiplied by the count, a sum;
   ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing it by the window's length.
 * ``training_step`` runs inside a :class:`~gradagg.torch.MicrobatchAccumulator` microbatch weighted by the count,
   built on the first step around the model as the Trainer prepared it: DDP (``accelerator.prepare``), or
@@ -33,12 +34,19 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
   set; otherwise DDP is built as configured.
 
 The microbatch's count, by default, is its labels other than -100 after the causal shift
-(:func:`gradagg.integrations._tokens.label_tokens`), for causal LMs (the model's loss is ``ForCausalLM``);
-``exact(trainer, weight=fn)`` gives it for any other loss (``fn(inputs)``, the dict ``compute_loss`` receives;
-the loss is then taken as its mean over that count). A microbatch that counts 0 runs its forward but its backward
-reaches no parameter. A count that is not a number is refused at once; a negative, NaN or infinite one makes
-``finish()`` refuse the window on every rank (a ``WindowError`` naming the step, the rank, the microbatch and the
-value), and ``train()`` stops there without stepping.
+(:func:`gradagg.integrations._tokens.label_tokens`), for causal LMs (the model's loss is ``ForCausalLM``), and its
+preference pairs for TRL's ``DPOTrainer`` (half the rows of ``input_ids``); ``exact(trainer, weight=fn)`` gives it
+for any other loss (``fn(inputs)``, the dict ``compute_loss`` receives; the loss is then taken as its mean over that
+count). A ``compute_loss_func`` (which needs ``weight=``) receives that count as ``num_items_in_batch``, the
+microbatch's own: a loss written ``sum / num_items_in_batch`` and one that returns its mean are both that mean.
+A microbatch that counts 0 runs its forward but its backward reaches no parameter. A count that is not a number is
+refused at once; a negative, NaN or infinite one makes ``finish()`` refuse the window on every rank (a ``WindowError``
+naming the step, the rank, the microbatch and the value), and ``train()`` stops there without stepping.
+
+TRL: ``SFTTrainer`` and ``DPOTrainer`` (loss types that are a mean of a per-pair loss) are made exact; every other
+TRL trainer (GRPO, RLOO, KTO, ...) is refused by ``exact()`` itself, naming it (:mod:`gradagg.integrations._trl`).
+Their ``compute_loss`` gathers metrics across ranks at every microbatch, so ranks that would run different numbers
+of microbatches (Accelerate's ``even_batches=False``) are refused on every rank at ``on_train_begin``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from transformers import Trainer, TrainerCallback
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.integrations._tokens import label_tokens
+from gradagg.integrations._trl import check_trl, default_weight
 
 Weight = Callable[[Mapping[str, Any]], object]
 _MARK = "_gradagg_exact"
@@ -64,7 +73,9 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     Args:
         trainer: a ``transformers.Trainer`` (subclasses included), not yet trained.
         weight: ``fn(inputs)`` giving a microbatch's count (a non-negative number or 0-dim tensor), for a loss
-            that is a mean over something else than a causal LM's shifted labels. Default: those labels.
+            that is a mean over something else than a causal LM's shifted labels. Default: those labels; the
+            preference pairs for TRL's ``DPOTrainer``. A ``compute_loss_func`` gets this count as
+            ``num_items_in_batch``.
 
     Returns:
         ``trainer``, changed in place.
@@ -72,15 +83,21 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
             not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
-            sequence parallelism, a MoE auxiliary loss); a model or ``compute_loss_func`` whose loss it cannot
-            count without ``weight``. During ``train()``: a count that is not a number (at once), or a negative,
-            NaN or infinite one (``WindowError`` from the window's ``finish()``, on every rank).
+            sequence parallelism, a MoE auxiliary loss); a TRL trainer other than ``SFTTrainer`` and ``DPOTrainer``
+            (GRPO: "not yet supported"), a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean; a model or
+            ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
+            every rank: a TRL trainer whose ranks have different numbers of microbatches. During ``train()``: a
+            count that is not a number (at once), or a negative, NaN or infinite one (``WindowError`` from the
+            window's ``finish()``, on every rank).
     """
     _check_trainer(trainer)
     _check_setup(trainer)
-    count = weight if weight is not None else _default_weight(trainer)
-    hold = _Exact(trainer, count)
+    kind = check_trl(trainer)  # what TRL trainer this is: refused at once where exact() cannot make it exact
+    count = weight if weight is not None else (default_weight(kind) or _default_weight(trainer))
+    hold = _Exact(trainer, count, kind)
     trainer.compute_loss = hold.compute_loss
+    if hold.user_loss_func is not None:
+        trainer.compute_loss_func = hold.loss_func
     trainer.training_step = hold.training_step
     trainer.loss_is_scaled_for_ga = True
     trainer.accelerator.no_sync = _no_sync_held
@@ -93,8 +110,9 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
 class _Exact:
     """The trainer's state under :func:`exact`: its original methods, the accumulator, the window's loss sum."""
 
-    def __init__(self, trainer: Any, count: Weight) -> None:
-        self.trainer, self.count = trainer, count
+    def __init__(self, trainer: Any, count: Weight, kind: str | None = None) -> None:
+        self.trainer, self.count, self.kind = trainer, count, kind
+        self.user_loss_func = getattr(trainer, "compute_loss_func", None)
         self.original_compute_loss = trainer.compute_loss
         self.original_training_step = trainer.training_step
         self.acc: Any = None
@@ -155,6 +173,19 @@ class _Exact:
             self.acc.close()
         self.acc, self.model, self.window_loss, self.finished = None, None, None, False
         self.fsdp_modules = []
+
+    def loss_func(self, outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+        """The trainer's ``compute_loss_func``, given the microbatch's own count as ``num_items_in_batch``.
+
+        transformers passes the count its loss divides by (the window's tokens); under :func:`exact` the loss must
+        be the microbatch's mean over its count, so that count is passed: a loss written ``sum / num_items_in_batch``
+        (or ``/ (num_items_in_batch or 1)``) and one that ignores it and returns its mean give the same value.
+        """
+        n = self.pending
+        if n is None:  # evaluation: transformers' own count
+            return self.user_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)  # type: ignore[misc]
+        count = torch.tensor(int(n) if float(n).is_integer() else n, device=self.trainer.args.device)
+        return self.user_loss_func(outputs, labels, num_items_in_batch=count)  # type: ignore[misc]
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -221,6 +252,10 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
     def __init__(self, hold: _Exact) -> None:
         self.hold = hold
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.hold.kind is not None:
+            _check_even_microbatches(self.hold.trainer, kwargs.get("train_dataloader"))
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.hold.close()
 
@@ -232,6 +267,32 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
                 "gradient would be unreduced and its clip skipped"
             )
         self.hold.finished = False
+
+
+def _check_even_microbatches(trainer: Any, loader: Any) -> None:
+    """Refuse, on every rank, a TRL trainer whose ranks would run different numbers of microbatches.
+
+    TRL's ``compute_loss`` gathers its metrics across ranks at every microbatch (``gather_for_metrics``): a rank
+    with one microbatch more would wait there for ever while the others wait in ``finish()``. The ranks' loader
+    lengths are gathered once, here, before the first microbatch (every rank reaches ``on_train_begin``).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    length = len(loader) if loader is not None and hasattr(loader, "__len__") else None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, length)
+    uneven = len(set(every)) > 1
+    unknown = None in every and not getattr(trainer.accelerator, "even_batches", True)
+    if uneven or unknown:
+        counts = ", ".join(f"rank {r}: {'unknown' if n is None else n}" for r, n in enumerate(every))
+        raise GradaggError(
+            f"exact() cannot train this {type(trainer).__name__} on ranks with different numbers of microbatches "
+            f"per epoch ({counts}): TRL gathers its metrics across ranks at every microbatch, so a rank with more "
+            "would wait for ever; keep Accelerate's even_batches=True (accelerator_config), or give every rank as "
+            "many batches"
+        )
 
 
 def _check_trainer(trainer: Any) -> None:
@@ -282,7 +343,7 @@ def _default_weight(trainer: Any) -> Weight:
     if trainer.compute_loss_func is not None:
         raise GradaggError(
             "exact() cannot count the tokens of a compute_loss_func's loss: pass weight=fn, fn(inputs) giving the "
-            "count the loss is a mean over"
+            "count the loss is a mean over (exact() passes it to the compute_loss_func as num_items_in_batch)"
         )
     model = trainer.accelerator.unwrap_model(trainer.model)
     loss = getattr(model, "loss_function", None)  # what the model's forward computes its loss with

@@ -35,8 +35,11 @@ def check_parity(
         script: path of SCRIPT.py (see the module docstring for what it defines).
         layouts: microbatches per rank, one sequence per layout, each summing to the window; default (None or
             empty): one process, the most even split on 2 ranks, and 1 against the rest (``default_layouts``).
-        rtol: the largest relative error that passes; default by dtype: 1e-9 float64, 1e-3 float32,
-            5e-2 half precision (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons).
+        rtol: the largest relative error that passes; default by the lowest precision the full batch computes in
+            (its gradients' dtype, or lower where its operations cast: a float64 model whose loss casts the logits
+            to float32 computes in float32): 1e-9 float64, 1e-3 float32, 5e-2 half precision
+            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons). A layout whose error is within that
+            round-off but above an explicit ``rtol`` is diagnosed as round-off, not as a weighting mistake.
         timeout_s: deadline of each world, start-up included.
         collective_timeout_s: how long a rank waits in a collective for a peer.
 
@@ -49,30 +52,33 @@ def check_parity(
     Raises:
         ScriptError: SCRIPT.py cannot be used: missing, does not import, lacks a function, its model or
             window is not deterministic, its full-batch loss has no usable gradient.
-        GradaggError: a layout does not sum to the window or has too many ranks; ``rtol`` out of range.
+        GradaggError: a layout does not sum to the window or has too many ranks; ``rtol`` out of range; torch is
+            not installed (said after SCRIPT.py is found, so a missing file is named first).
 
     Starting processes is not for a doctest, hence the skip (tests/test_parity.py runs it)::
 
     >>> check_parity("examples/parity/token_mean_by_hand.py").passed  # doctest: +SKIP
     True
     """
+    from gradagg.parity.script import check_file  # torch-free: a missing file is named even without torch
+
     start = time.perf_counter()
+    check_file(script)  # at once, before torch is needed and before any process starts
     require_torch("gradagg parity")
-    from gradagg.parity.compare import default_rtol
-    from gradagg.parity.script import check_file
+    from gradagg.parity.compare import RTOL_BY_DTYPE, default_rtol
     from gradagg.parity.truth import compute_truth
     from gradagg.parity.types import Truth
 
-    check_file(script)  # at once, before any process starts
     path = os.path.abspath(script)  # now: the ranks may not share our working folder
     checked = compute_truth(script, timeout_s, _PRELOAD)
     chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
                            checked.window)
-    truth = Truth.of(checked.grads)
-    tol = _checked_rtol(default_rtol(truth) if rtol is None else rtol)
+    computes_in = _computes_in(checked)
+    truth = Truth.of(checked.grads, computes_in, RTOL_BY_DTYPE.get(computes_in, 0.0))
+    tol = _checked_rtol(max(default_rtol(truth), truth.roundoff) if rtol is None else rtol)
     observations = [_observe(script, path, layout, truth, tol, checked, timeout_s, collective_timeout_s)
                     for layout in chosen]
-    return ParityReport(script, checked.window, _lowest_dtype(truth.grads), tol, observations,
+    return ParityReport(script, checked.window, computes_in.removeprefix("torch."), tol, observations,
                         time.perf_counter() - start)
 
 
@@ -88,7 +94,17 @@ def _lowest_dtype(grads: Mapping[str, Any]) -> str:
 
     dtypes = sorted({str(g.dtype) for g in grads.values() if g is not None},
                     key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
-    return dtypes[-1].removeprefix("torch.")
+    return dtypes[-1]
+
+
+def _computes_in(checked: TruthResult) -> str:
+    """What the full batch computes in: the lower precision of its gradients' dtype and its operations' lowest
+    floating dtype (a float64 model whose loss casts the logits to float32 computes in float32)."""
+    from gradagg.parity.compare import RTOL_BY_DTYPE
+
+    grads = _lowest_dtype(checked.grads)
+    ops = checked.computes_in or grads
+    return max((grads, ops), key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
 
 
 def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, checked: TruthResult,

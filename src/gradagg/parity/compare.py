@@ -172,6 +172,9 @@ def diagnose(layout: Layout, truth: Truth, results: Mapping[int, Grads], misses:
     problem = _presence_problem(layout, results, misses)
     if problem is not None:
         return None, problem
+    worst = max(m.error for m in misses)
+    if worst <= truth.roundoff:  # before naming a cause: an error round-off alone reaches is no weighting's mark
+        return None, _roundoff_text(worst, truth)
     disagreement = _disagreement(truth, results, rtol)
     if disagreement is not None:
         return None, disagreement
@@ -222,6 +225,13 @@ def _scale(layout: Layout, truth: Truth, grads: Grads, rtol: float) -> tuple[flo
     return None, (f"no single factor: projected on the truth, the gradients are {lo:.3g}x to {hi:.3g}x it per "
                   "parameter and point elsewhere: the microbatches or ranks are weighted unlike the full batch "
                   "(a mean of per-microbatch or per-rank means?)")
+
+
+def _roundoff_text(error: float, truth: Truth) -> str:
+    dtype = truth.computes_in.removeprefix("torch.")
+    return (f"round-off, not a weighting mistake: the largest error, {error:.2g}, is within what {dtype} round-off "
+            f"reaches (up to {truth.roundoff:g}: the full batch computes in {dtype}, e.g. a loss that casts the "
+            f"logits); a tolerance of {truth.roundoff:g} passes it")
 
 
 def ratio_text(ratio: float, world: int, window: int, rtol: float = 1e-3) -> str:

@@ -189,6 +189,7 @@ class Checked:
     grads: dict[str, torch.Tensor | None]
     model_digest: dict[str, str]
     window_digest: str
+    computes_in: str = ""  # the lowest-precision floating dtype full_batch_loss() computed in
 
 
 def check_script(path: str) -> Checked:
@@ -208,12 +209,50 @@ def check_script(path: str) -> Checked:
     window = load_window(script)
     model = build_checked(script)
     digest = model_digest(model)  # before the backward, as the ranks take theirs before the step
-    grads = full_batch_grads(script, model, window)
+    with LowestFloat() as seen:
+        grads = full_batch_grads(script, model, window)
     changed = first_difference(_parameters(digest, model), _parameters(model_digest(model), model))
     if changed is not None:
         raise ScriptError(f"{path}: full_batch_loss() changed the model ({changed}); it must only compute the "
                           "loss: the ranks' step starts from build_model()'s weights, so no truth to compare with")
-    return Checked(script, window, grads, digest, data_digest(window))
+    return Checked(script, window, grads, digest, data_digest(window), seen.lowest() or "")
+
+
+class LowestFloat:
+    """Records the floating dtypes of every torch operation's result while it is entered (a public
+    ``torch.overrides.TorchFunctionMode``): a float64 model whose loss casts to float32 computes in float32."""
+
+    def __init__(self) -> None:
+        self.seen: set[Any] = set()
+        self._mode: Any = None
+
+    def __enter__(self) -> LowestFloat:
+        from torch.overrides import TorchFunctionMode
+
+        seen = self.seen
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if getattr(t, "is_floating_point", None) is not None and t.is_floating_point():
+                        seen.add(t.dtype)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def lowest(self) -> str | None:
+        """The dtype seen with the largest machine epsilon (``"torch.bfloat16"``...), or None if none was seen."""
+        import torch
+
+        if not self.seen:
+            return None
+        return str(max(self.seen, key=lambda d: (torch.finfo(d).eps, str(d))))
 
 
 def _parameters(digest: dict[str, str], model: torch.nn.Module) -> dict[str, str]:

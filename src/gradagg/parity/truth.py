@@ -50,7 +50,8 @@ def truth_worker(script: str, cwd: str) -> TruthResult:
         checked = check_script(script)
     except ScriptError as exc:
         return TruthResult(failure=str(exc))
-    return TruthResult(None, len(checked.window), checked.grads, checked.model_digest, checked.window_digest)
+    return TruthResult(None, len(checked.window), checked.grads, checked.model_digest, checked.window_digest,
+                       checked.computes_in)
 
 
 def _failure(script: str, error: str, timeout_s: float) -> str:

@@ -39,17 +39,23 @@ class Unread:
 
 @dataclass(frozen=True)
 class Truth:
-    """The one-process full-batch gradients, with their norms and the floor of the relative error."""
+    """The one-process full-batch gradients, with their norms and the floor of the relative error.
+
+    ``roundoff``: the relative error that round-off alone can reach in what the full batch computes in (the
+    lowest-precision floating dtype of its forward, see ``gradagg.parity.compare.RTOL_BY_DTYPE``); 0 when unknown.
+    """
 
     grads: dict[str, torch.Tensor | None]
     norms: dict[str, float]
     floor: float
+    roundoff: float = 0.0
+    computes_in: str = ""
 
     @classmethod
-    def of(cls, grads: dict[str, torch.Tensor | None]) -> Truth:
-        """Wrap the truth's gradients (name -> tensor or None)."""
+    def of(cls, grads: dict[str, torch.Tensor | None], computes_in: str = "", roundoff: float = 0.0) -> Truth:
+        """Wrap the truth's gradients (name -> tensor or None), and what it computes in (``"torch.float32"``)."""
         norms = {n: float(g.double().norm()) for n, g in grads.items() if g is not None}
-        return cls(grads, norms, FLOOR * math.sqrt(sum(v * v for v in norms.values())))
+        return cls(grads, norms, FLOOR * math.sqrt(sum(v * v for v in norms.values())), roundoff, computes_in)
 
     def scale(self, name: str) -> float:
         """What an error on ``name`` is relative to: its truth's norm, or the floor when that is larger."""
@@ -127,6 +133,8 @@ class TruthResult:
         grads: parameter name -> the full batch's gradient (a CPU copy), or None where it gives none.
         model_digest: digest of the model, before the backward (every rank must reproduce it).
         window_digest: digest of the window (likewise).
+        computes_in: the lowest-precision floating dtype among the results of the torch operations of
+            ``full_batch_loss()`` (``"torch.float32"`` for a float64 model whose loss casts its logits to float32).
     """
 
     failure: str | None = None
@@ -134,6 +142,7 @@ class TruthResult:
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     model_digest: dict[str, str] = field(default_factory=dict)
     window_digest: str = ""
+    computes_in: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,8 @@ class ParityReport:
     Attributes:
         script: SCRIPT.py's path.
         window: M, the microbatches that ``microbatches()`` returned.
-        dtype: the lowest-precision dtype among the truth's gradients (what the default rtol is for).
+        dtype: the lowest-precision dtype the full batch computes in: its gradients' or lower (a loss that casts
+            to float32); what the default rtol is for.
         rtol: the tolerance used.
         observations: one per layout, in the ``gradagg verify`` form (see :func:`check_parity`).
         elapsed_s: seconds the whole check took.

@@ -9,9 +9,10 @@ was computed at, and which sequences the step's microbatches held (unpadded agai
 A case is a dict: ``exact`` (apply :func:`gradagg.integrations.transformers.exact`), ``avg_tokens``
 (``average_tokens_across_devices``), ``loss_kwargs`` (the model takes them), ``trainer`` (``"sft"``: TRL's
 ``SFTTrainer``), ``clip`` (``max_grad_norm``), ``fsdp`` (transformers' own FSDP2: ``from_pretrained`` with
-``DistributedConfig(fsdp_size=2)``), ``loss`` (``"tagging"``: a ``compute_loss_func`` that is the mean over the
-unshifted labels, counted by ``weight=`` when ``weight`` is set), ``bad`` (a count that cannot count, on one
-rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
+``DistributedConfig(fsdp_size=2)``), ``loss`` (a ``compute_loss_func`` of :data:`LOSS_FUNCS`: ``"tagging"``, the
+mean over the unshifted labels; ``"tagging_div"`` and ``"tagging_or1"``, the same divided by
+``num_items_in_batch``; ``"causal"``, transformers' causal LM loss; counted by ``weight=`` when ``weight`` is set),
+``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
 """
 
 from __future__ import annotations
@@ -126,6 +127,37 @@ def tagging_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = N
                                              ignore_index=-100)
 
 
+def tagging_loss_div(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """:func:`tagging_loss` written as transformers documents it: the sum divided by ``num_items_in_batch``."""
+    logits = outputs.logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+def tagging_loss_or1(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """:func:`tagging_loss` written defensively: the sum divided by ``num_items_in_batch or 1``."""
+    logits = outputs.logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum") / (num_items_in_batch or 1)
+
+
+def causal_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """transformers' own causal LM loss as a ``compute_loss_func``: divided by ``num_items_in_batch`` when given."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, vocab_size=tl.VOCAB,  # type: ignore[no-any-return]
+                           num_items_in_batch=num_items_in_batch)
+
+
+# compute_loss_func by case["loss"]: one that ignores num_items_in_batch, two that divide by it, transformers' own
+LOSS_FUNCS = {"tagging": tagging_loss, "tagging_div": tagging_loss_div, "tagging_or1": tagging_loss_or1,
+              "causal": causal_loss}
+
+
+def _tagging(case: Case) -> bool:
+    return str(case.get("loss", "")).startswith("tagging")
+
+
 def tagging_count(inputs: Any) -> int:
     """What :func:`tagging_loss` is a mean over: the labels other than -100, unshifted."""
     return int((inputs["labels"] != -100).sum())
@@ -168,9 +200,10 @@ def build_trainer(case: Case, out: str, checkpoint: str | None = None) -> Any:
         from datasets import Dataset
         from trl import SFTTrainer
 
+        func = {"compute_loss_func": LOSS_FUNCS[case["loss"]]} if case.get("loss") else {}
         return SFTTrainer(model=model, args=training_args(case, out), train_dataset=Dataset.from_list(rows),
-                          processing_class=tl.tokenizer())
-    tagging = {"compute_loss_func": tagging_loss} if case.get("loss") == "tagging" else {}
+                          processing_class=tl.tokenizer(), **func)
+    tagging = {"compute_loss_func": LOSS_FUNCS[case["loss"]]} if case.get("loss") else {}
     return Trainer(model=model, args=training_args(case, out), train_dataset=rows, data_collator=tl.collate,
                    **tagging)
 
@@ -184,8 +217,8 @@ def _apply_exact(trainer: Any, case: Case) -> None:
 
     if case.get("bad"):
         exact(trainer, weight=bad_count(case["bad"]))
-    elif case.get("loss") == "tagging" and case.get("weight"):
-        exact(trainer, weight=tagging_count)
+    elif case.get("loss") and case.get("weight"):
+        exact(trainer, weight=tagging_count if _tagging(case) else tl.tokens)
     else:
         exact(trainer)
 
@@ -220,8 +253,8 @@ def run_case(case: Case, checkpoint: str | None = None) -> dict[str, Any]:
         dtensor = type(next(trainer.model.parameters())).__name__
     if dist.get_rank() != 0:
         return {}
-    loss = tagging_sum_loss if case.get("loss") == "tagging" else tl.token_sum_loss
-    count = tagging_count if case.get("loss") == "tagging" else tl.tokens
+    loss = tagging_sum_loss if _tagging(case) else tl.token_sum_loss
+    count = tagging_count if _tagging(case) else tl.tokens
     return {"wrapped": wrapped, "param_type": dtensor, "again": again, "logs": rec.logs,
             "steps": [score(s, case.get("clip", 0.0), loss, count) for s in rec.steps]}
 
