@@ -34,8 +34,12 @@ class Counts:
         self._calls.clear()
 
     def record(self, loss_sum: torch.Tensor, count: torch.Tensor | float) -> None:
-        # Kept as tensors: a .item() here would be one device-to-host sync per microbatch.
-        self._calls.append((loss_sum, torch.as_tensor(count).detach().reshape(()).to(torch.float64)))
+        # Kept as tensors: a .item() here would be one device-to-host sync per microbatch. A copy, always: a
+        # count tensor the loss function reuses and overwrites for the next microbatch must count the value it
+        # held when given (``.to(float64)`` of a float64 tensor, or ``reshape`` of one of shape (1,), is the same
+        # storage).
+        value = torch.as_tensor(count).detach().reshape(()).to(torch.float64, copy=True)
+        self._calls.append((loss_sum, value))
 
     def keep(self, losses: list[torch.Tensor]) -> None:
         """Keep the calls whose loss the schedule returned, in its microbatch order, and drop the rest.

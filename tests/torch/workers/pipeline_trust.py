@@ -1,0 +1,79 @@
+"""Pipelined steps that a hostile user writes (issue 22), on 2 gloo ranks: one pipeline of 2 stages, no replicas.
+
+Rank p is pipeline rank p; each rank is its own data-parallel group of one. Interleaved schedules put stages
+p and p + 2 (of 4) on rank p. Each case returns plain values: the error against the float64 one-process token
+mean (tests.torch.workers.pipe_model), or ``(error class, message, seconds)`` of what the step raised.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from gradagg.errors import GradaggError
+from gradagg.torch import PipelineAccumulator
+from tests.torch.workers import pipe_model as m
+from tests.torch.workers import pipeline as pw
+
+# per microbatch, the lengths of its sequences: counts 6, 4, 10, 3 (D = 23)
+LAYOUT: pw.Layout = [[[6, 2], [3, 3], [6, 6], [1, 4]]]
+REUSED = {  # a count tensor the loss function allocates once and overwrites for every microbatch
+    "float64": lambda: torch.zeros((), dtype=torch.float64),
+    "float64 shape (1,)": lambda: torch.zeros(1, dtype=torch.float64),
+    "float32": lambda: torch.zeros((), dtype=torch.float32),
+    "int64": lambda: torch.zeros((), dtype=torch.int64),
+    "float64 view": lambda: torch.zeros(3, dtype=torch.float64)[1],
+}
+
+
+class Pipe:
+    """This rank's pipeline group (every rank) and its data-parallel group of one (every rank creates both)."""
+
+    def __init__(self) -> None:
+        self.pp = dist.get_rank()
+        self.pp_group = dist.new_group([0, 1])
+        self.dp_group = [dist.new_group([r]) for r in range(2)][self.pp]
+
+
+def build(me: Pipe, kind: str) -> tuple[list[PipelineStage], list[torch.nn.Module], dict[str, torch.Tensor]]:
+    return pw.build(me, 2 if kind == "interleaved" else 1)  # type: ignore[arg-type]
+
+
+def reused_count_case(me: Pipe, kind: str, dtype: str) -> dict[str, Any]:
+    """The loss returns its count in one tensor, overwritten in place for every microbatch: D = 23, exact."""
+    stages, modules, tied = build(me, kind)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    buf = REUSED[dtype]()
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count = m.token_sum_loss(logits, labels)
+        buf.fill_(count)
+        return total, buf
+
+    mbs = pw.batches(LAYOUT, 0)
+    args, kwargs = pw.step_inputs(stages, mbs)
+    ledger = pipe.step(pw.schedule(kind, stages, len(mbs), pipe.loss(loss)), *args, **kwargs)
+    want, _ = m.truth(mbs)
+    return {"divisor": ledger.divisor, "local": ledger.tokens_local, "error": pw.error(stages, modules, want)}
+
+
+def outcome(fn: Any) -> tuple[str, str, float] | None:
+    """``(error class, message, seconds)`` of what ``fn()`` raised (any exception), or None."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the class: a raw error must show as one
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None
+
+
+def reused_world() -> dict[str, Any]:
+    me = Pipe()
+    return {(kind, dtype): reused_count_case(me, kind, dtype) for kind in pw.SCHEDULES for dtype in REUSED}
+
+
+__all__ = ["GradaggError", "reused_world"]
