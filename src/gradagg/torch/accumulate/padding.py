@@ -25,13 +25,14 @@ again, the output's floating tensors summed as the loss. A rank that ran no forw
 the lowest rank running a microbatch in that round (one ``all_gather_object``; the inputs are then kept).
 ``None``: no padding; uneven counts raise GradaggError on every rank, before any FSDP collective
 of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
-blocks: use ``fsdp="window"`` there), and runs in training mode (a BatchNorm's running statistics see it:
-pass ``pad=`` for such models).
+blocks: use ``fsdp="window"`` there). It runs in training mode, and counts nowhere: every buffer of the module
+(counters, BatchNorm's statistics) is put back as the padding found it (:func:`buffers_kept`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,7 +128,7 @@ def pad_once(state: State, rnd: Round) -> None:
         state.fsdp.set_all_reduce(rnd.last or not rnd.known)
     state.padding = True
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), buffers_kept(state.params.module):
             loss = state.pad() if callable(state.pad) else _replay(state)
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise GradaggError(f"the padding microbatch's loss must be a tensor with a gradient, got {loss!r}")
@@ -135,6 +136,36 @@ def pad_once(state: State, rnd: Round) -> None:
     finally:
         state.padding = False
     state.window.padded += 1
+
+
+@contextmanager
+def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
+    """Leave every buffer of ``module`` as the block found it: padding counts nowhere.
+
+    A padding forward runs the model in training mode: a token counter, BatchNorm's running statistics and
+    ``num_batches_tracked``, an MoE router's load counts would take it as a real batch. Each buffer (plain or
+    DTensor; FSDP2 shards parameters, not buffers) is copied before and written back in place after (after the
+    backward too: a backward hook may count); one the forward reassigned is put back as the same tensor
+    object (a reference taken elsewhere stays right), and one registered during the block is removed.
+    Memory: one copy of the module's buffers while the block runs.
+    """
+    if module is None:
+        yield
+        return
+    mods = list(module.modules())
+    saved = [(mod, name, buf, buf.detach().clone()) for mod in mods for name, buf in mod.named_buffers(recurse=False)]
+    before = {(id(mod), name) for mod, name, _, _ in saved}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for mod, name, buf, value in saved:
+                if getattr(mod, name, None) is not buf:
+                    setattr(mod, name, buf)  # Module.__setattr__ puts a tensor back into a registered buffer
+                buf.copy_(value)
+            for mod in mods:
+                for name in [n for n, _ in mod.named_buffers(recurse=False) if (id(mod), n) not in before]:
+                    delattr(mod, name)
 
 
 def before_forward(state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,47 @@
+"""The shards form's padding against a hostile user (issue 22): padding counts nowhere, and fails loudly.
+
+Workers: tests.torch.workers.padding_trust. A padding microbatch (``pad="replay"`` or ``pad=fn``) runs a
+forward and a backward only so that FSDP2's collectives pair; it must leave every buffer of the model as it
+found it (counters, BatchNorm's statistics, buffers the forward reassigns), and one rank's failure inside it
+must be one GradaggError on every rank, within the collective timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gradagg.testing import run_local_world
+from tests.torch.workers import padding_trust as pt
+
+TIMEOUT = 5.0  # the world's collective timeout, seconds
+WORLD: dict[str, Any] = {"collective_timeout_s": TIMEOUT, "timeout_s": 180.0}
+# float64: BatchNorm's statistics and the gradients are the truth's terms in another order (FSDP's all-gathered
+# parameters are the same values; the sums over ranks and microbatches are reordered): a few ulps; seen < 1e-15.
+TOL64 = 1e-12
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def padded(request: pytest.FixtureRequest) -> list[list[dict[str, Any]]]:
+    return run_local_world(pt.buffers_world, request.param, 3, **WORLD)
+
+
+def test_padding_leaves_every_buffer_as_it_found_it(padded: list[list[dict[str, Any]]]) -> None:
+    """Seeded uneven counts (seed pt.SEED), 3 windows per style (microbatches(), bare calls, pad=fn) on 2 and 3
+    ranks: each rank's buffers (an in-place counter, a reassigned counter, BatchNorm's running statistics and
+    num_batches_tracked, a reassigned non-persistent buffer) are those of a plain replica that ran only that
+    rank's real microbatches, and the gradients (which read the reassigned counter) are the truth's."""
+    ran_padding = 0
+    for rank in padded:
+        for run in rank:
+            where = (pt.SEED, run["style"], run["window"], run["counts"])
+            assert run["buffers"].keys() == run["want_buffers"].keys(), where
+            for name, want in run["want_buffers"].items():
+                got = run["buffers"][name]
+                assert got.dtype == want.dtype and got.shape == want.shape, (where, name)
+                assert float((got.double() - want.double()).abs().max()) <= TOL64, (where, name, got, want)
+            assert run["grad_error"] <= TOL64, (where, run["grad_error"])
+            ran_padding += run["padded"]
+    assert ran_padding > 0  # the seeds did make ranks pad
+
