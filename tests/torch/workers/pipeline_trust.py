@@ -71,9 +71,58 @@ def outcome(fn: Any) -> tuple[str, str, float] | None:
     return None
 
 
+def mismatch_case(me: Pipe, kind: str, what: str) -> tuple[str, str, float] | None:
+    """Rank 0 builds its schedule with 4 microbatches, rank 1 with 2 (``"n_microbatches"``), or rank 1 runs
+    another schedule class (``"schedule"``)."""
+    stages, _, tied = build(me, kind)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    n = 2 if what == "n_microbatches" and me.pp == 1 else 4
+    other = {"gpipe": "1f1b", "1f1b": "gpipe", "interleaved": "interleaved"}[kind]
+    sched = pw.schedule(other if what == "schedule" and me.pp == 1 else kind, stages, n, pipe.loss(m.token_sum_loss))
+    args, kwargs = pw.step_inputs(stages, pw.batches(LAYOUT, 0))
+    return outcome(lambda: pipe.step(sched, *args, **kwargs))
+
+
+FAILURES = {  # how the last stage's loss function fails on microbatch 2 (of 4)
+    "raises": lambda total, count: (_ for _ in ()).throw(KeyError("no such label")),
+    "non-scalar loss": lambda total, count: (total.expand(3), count),
+    "non-scalar count": lambda total, count: (total, torch.stack([count, count])),
+    "no gradient": lambda total, count: (total.detach(), count),
+    "not a pair": lambda total, count: total,
+}
+
+
+def loss_failure_case(me: Pipe, kind: str, how: str) -> dict[str, Any]:
+    """The last stage's loss function fails on microbatch 2 in way ``how``; then a good step on the same stages."""
+    stages, modules, tied = build(me, kind)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    mbs = pw.batches(LAYOUT, 0)
+
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        total, count = m.token_sum_loss(logits, labels)
+        return FAILURES[how](total, count) if torch.equal(labels, mbs[2][1]) else (total, count)
+
+    args, kwargs = pw.step_inputs(stages, mbs)
+    failed = outcome(lambda: pipe.step(pw.schedule(kind, stages, len(mbs), pipe.loss(loss)), *args, **kwargs))
+    all_none = all(p.grad is None for p in pipe.params)
+    pipe.step(pw.schedule(kind, stages, len(mbs), pipe.loss(m.token_sum_loss)), *args, **kwargs)
+    want, _ = m.truth(mbs)
+    return {"failed": failed, "all_none": all_none, "after": pw.error(stages, modules, want)}
+
+
+def mismatch_world(cases: list[tuple[str, str]]) -> dict[Any, Any]:
+    me = Pipe()
+    return {(kind, what): mismatch_case(me, kind, what) for kind, what in cases}
+
+
+def failure_world(cases: list[tuple[str, str]]) -> dict[Any, Any]:
+    me = Pipe()
+    return {(kind, how): loss_failure_case(me, kind, how) for kind, how in cases}
+
+
 def reused_world() -> dict[str, Any]:
     me = Pipe()
     return {(kind, dtype): reused_count_case(me, kind, dtype) for kind in pw.SCHEDULES for dtype in REUSED}
 
 
-__all__ = ["GradaggError", "reused_world"]
+__all__ = ["GradaggError", "failure_world", "mismatch_world", "reused_world"]
