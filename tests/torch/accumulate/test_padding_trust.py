@@ -45,3 +45,31 @@ def test_padding_leaves_every_buffer_as_it_found_it(padded: list[list[dict[str, 
             ran_padding += run["padded"]
     assert ran_padding > 0  # the seeds did make ranks pad
 
+
+
+REASONS = {  # words the error must carry on every rank, besides the failing rank
+    "non-scalar loss": "tensor of shape (6, 1)", "raises before the model": "no padding batch today",
+    "raises after the forward": "KeyError", "returns a float": "returned float",
+    "loss without a gradient": "requires_grad=False", "part of the model": "'blocks.0'",
+    "unpicklable replay": "cannot be sent",
+}
+
+
+@pytest.mark.parametrize("style", ["microbatches", "bare"])
+def test_one_rank_padding_failure_is_one_error_on_every_rank(style: str) -> None:
+    """Rank 0's padding fails (pad=fn returns a non-scalar loss, a float or a loss without a gradient; raises
+    before or after the model's forward; runs only a block of the model; pad='replay' must borrow inputs with a
+    lambda keyword argument): a GradaggError on both ranks within the collective timeout (not a raw error, not
+    a wait), naming the failing rank and what went wrong, the window dropped (every gradient None); the next even window
+    runs (D = 6 + 2 + 5 + 0 = 13)."""
+    cases = [(how, style) for how in pt.FAILURES]
+    ranks = run_local_world(pt.failure_world, 2, cases, **WORLD)
+    for case in cases:
+        for rank, r in enumerate(ranks):
+            assert r[case]["error"] is not None, (case, rank)
+            kind, message, seconds = r[case]["error"]
+            assert kind in ("GradaggError", "CollectiveError", "WindowError"), (case, rank, message)
+            failing = 1 if case[0] == "unpicklable replay" else 0  # there the source rank's inputs fail
+            assert f"rank {failing}" in message and REASONS[case[0]] in message, (case, rank, message)
+            assert seconds < TIMEOUT + 5, (case, rank, seconds)
+            assert r[case]["dropped"] and r[case]["after"] == 13, (case, rank, r[case])

@@ -52,10 +52,10 @@ class Stateful(nn.Module):
         self.head = nn.Linear(D_IN, 1)
         self.double()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: Any = None) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x) if act is None else act(self.head(x))
 
 
 def sharded(mesh: Any) -> Stateful:
@@ -133,3 +133,58 @@ def buffers_world(windows: int) -> list[dict[str, Any]]:
             model.zero_grad()
         acc.close()
     return out
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+# How rank 0's padding fails, and its microbatch counts (rank 0's, rank 1's). Each pad fn gets the model and
+# a batch; None: pad="replay", with the forward given a lambda keyword argument (cannot be pickled).
+FAILURES: dict[str, tuple[Any, list[int]]] = {
+    "non-scalar loss": (lambda model, x: model(x), [1, 3]),
+    "raises before the model": (lambda model, x: _raise(ValueError("no padding batch today")), [1, 3]),
+    "raises after the forward": (lambda model, x: (model(x), _raise(KeyError("label")))[0], [1, 3]),
+    "returns a float": (lambda model, x: 0.0, [1, 3]),
+    "loss without a gradient": (lambda model, x: model(x).sum().detach(), [1, 3]),
+    "part of the model": (lambda model, x: model.blocks[0](x).sum(), [1, 3]),
+    "unpicklable replay": (None, [0, 2]),
+}
+
+
+def failure_case(mesh: Any, how: str, style: str) -> dict[str, Any]:
+    """Rank 0's padding fails in way ``how`` (rank 1 pads with the replay); then an even window (2, 2)."""
+    import time
+
+    rank = dist.get_rank()
+    fn, counts = FAILURES[how]
+    model = sharded(mesh)
+    x = tw.token_batches(5, seed=99)[4][0]
+    pad = "replay" if fn is None or rank == 1 else functools.partial(fn, model, x)
+    acc = MicrobatchAccumulator(model, pad=pad)
+    act = (lambda t: t) if fn is None else None
+    mine = tw.share(tw.token_batches(sum(counts)), counts, rank)
+    start, error = time.monotonic(), None
+    try:
+        for batch in acc.microbatches(mine) if style == "microbatches" else mine:
+            with acc.microbatch(weight=int(batch[3].sum())):
+                xb, y, _, mask = batch
+                ((model(xb, act=act) - y)[mask] ** 2).sum().backward()
+        acc.finish()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the class: a raw error must show as one
+        error = (type(exc).__name__, str(exc), time.monotonic() - start)
+    dropped = all(p.grad is None for p in model.parameters())
+    even = tw.share(tw.token_batches(4), [2, 2], rank)
+    for batch in acc.microbatches(even):
+        with acc.microbatch(weight=int(batch[3].sum())):
+            loss64(model, batch).backward()
+    after = acc.finish().divisor
+    acc.close()
+    return {"error": error, "dropped": dropped, "after": after}
+
+
+def failure_world(cases: list[tuple[str, str]]) -> dict[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {case: failure_case(mesh, *case) for case in cases}
