@@ -95,3 +95,17 @@ def test_schedule_description_without_the_private_count() -> None:
     assert str(disagreement([describe(counted, [stage(0)]), bare[1]])).startswith(
         "n_microbatches is 4 on pipeline rank 0 and None on pipeline rank 1")
     assert "num_stages" in str(disagreement([describe(object(), [stage(0)]), describe(object(), [stage(1, 3)])]))
+
+
+@pytest.mark.parametrize("kind", list(pw.SCHEDULES))
+def test_stage_forward_failure_is_a_gradagg_error_on_every_rank(kind: str) -> None:
+    """Stage 0's module raises on microbatch 2 (no stand-in can replace a stage's forward): rank 0 raises
+    WindowError naming the cause; rank 1, whose receive breaks once rank 0's process has ended, a WindowError
+    too (not a raw gloo error), both quickly, every gradient None. (A failing process that lives on leaves
+    its peers in torch's receives, which the collective timeout does not bound: see pipeline/failures.py.)"""
+    ranks = run_local_world(pt.forward_failure_world, 2, kind, 0.0, **WORLD)
+    for r in ranks:
+        assert r["failed"] is not None and r["failed"][0] == "WindowError", r
+        assert r["failed"][2] < TIMEOUT + 5 and r["all_none"], r
+    assert "caused by ValueError: bad token ids" in ranks[0]["failed"][1]
+    assert "peer stage failed or left" in ranks[1]["failed"][1]

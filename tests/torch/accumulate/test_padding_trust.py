@@ -73,3 +73,16 @@ def test_one_rank_padding_failure_is_one_error_on_every_rank(style: str) -> None
             assert f"rank {failing}" in message and REASONS[case[0]] in message, (case, rank, message)
             assert seconds < TIMEOUT + 5, (case, rank, seconds)
             assert r[case]["dropped"] and r[case]["after"] == 13, (case, rank, r[case])
+
+
+@pytest.mark.parametrize("style", ["microbatches", "bare"])
+def test_padding_failure_nothing_can_complete_is_named_on_every_rank(style: str) -> None:
+    """Rank 0 runs no microbatch and its pad fn raises before the model: no stand-in (no inputs of its own).
+    Rank 0 raises GradaggError at once, naming itself and the reason; rank 1, left in FSDP's all-gather, a
+    CollectiveError naming rank 0 as the padding rank within the collective timeout (not a raw gloo error)."""
+    ranks = run_local_world(pt.unrecoverable_world, 2, style, **WORLD)
+    (kind0, message0, _), (kind1, message1, seconds1) = ranks  # type: ignore[misc]
+    assert kind0 == "GradaggError" and "rank 0" in message0 and "no padding batch today" in message0, message0
+    assert "nothing can complete" in message0
+    assert kind1 == "CollectiveError" and "rank(s) [0] ran a padding microbatch" in message1, message1
+    assert seconds1 < TIMEOUT + 5

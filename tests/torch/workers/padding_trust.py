@@ -188,3 +188,25 @@ def failure_world(cases: list[tuple[str, str]]) -> dict[Any, Any]:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     return {case: failure_case(mesh, *case) for case in cases}
+
+
+def unrecoverable_world(style: str) -> tuple[str, str, float] | None:
+    """Rank 0 has no microbatch and a pad fn that raises before the model: nothing can complete the round in its
+    place (no inputs of its own to replay). Rank 0 raises at once; rank 1 fails in FSDP's collectives."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    model = sharded(init_device_mesh("cpu", (2,)))
+    acc = MicrobatchAccumulator(model, pad=lambda: _raise(ValueError("no padding batch today")))
+    mine = tw.share(tw.token_batches(2), [0, 2], rank)
+    start = time.monotonic()
+    try:
+        for batch in acc.microbatches(mine) if style == "microbatches" else mine:
+            with acc.microbatch(weight=int(batch[3].sum())):
+                loss64(model, batch).backward()
+        acc.finish()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the class: a raw error must show as one
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None

@@ -126,3 +126,28 @@ def reused_world() -> dict[str, Any]:
 
 
 __all__ = ["GradaggError", "failure_world", "mismatch_world", "reused_world"]
+
+
+def forward_failure_case(me: Pipe, kind: str, linger: float) -> dict[str, Any]:
+    """Stage 0's forward raises on microbatch 2 (its module, not the loss): no stand-in can replace it."""
+    stages, _, tied = build(me, kind)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    mbs = pw.batches(LAYOUT, 0)
+
+    def hook(_module: Any, args: tuple[Any, ...]) -> None:
+        if torch.equal(args[0], mbs[2][0]):
+            raise ValueError("bad token ids")
+
+    for s in stages:
+        if s.stage_index == 0:
+            s.submod.register_forward_pre_hook(hook)
+    args, kwargs = pw.step_inputs(stages, mbs)
+    out = {"failed": outcome(lambda: pipe.step(pw.schedule(kind, stages, len(mbs), pipe.loss(m.token_sum_loss)),
+                                               *args, **kwargs))}
+    out["all_none"] = all(p.grad is None for p in pipe.params)
+    time.sleep(linger if me.pp == 0 else 0)  # the failing rank stays alive (a loop that caught the error)
+    return out
+
+
+def forward_failure_world(kind: str, linger: float) -> dict[str, Any]:
+    return forward_failure_case(Pipe(), kind, linger)

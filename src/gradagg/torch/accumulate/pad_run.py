@@ -91,7 +91,7 @@ def run(state: State, running: list[int]) -> str | None:
 
 
 def _stand_in(state: State, watch: Watch, exc: Exception, running: list[int], failure: str) -> torch.Tensor:
-    if _backend(exc):
+    if backend_error(exc):
         raise _peer_failed(state, exc, running) from exc
     if watch.output is not None:
         parts = [t.sum() * 0.0 for t in _tensors(watch.output) if t.is_floating_point() and t.requires_grad]
@@ -109,7 +109,7 @@ def _backward(state: State, loss: torch.Tensor, running: list[int]) -> None:
     try:
         loss.backward()  # type: ignore[no-untyped-call]
     except Exception as exc:
-        if _backend(exc):
+        if backend_error(exc):
             raise _peer_failed(state, exc, running) from exc
         raise GradaggError(f"rank {get_rank(state.group)}: the padding microbatch's backward raised "
                            f"{type(exc).__name__}: {first_line(exc)}; ranks {running} will fail in FSDP's "
@@ -125,7 +125,7 @@ def checked(loss: object) -> torch.Tensor:
     return loss
 
 
-def _backend(exc: BaseException) -> bool:
+def backend_error(exc: BaseException) -> bool:
     # DistError is what torch raises for a backend failure; gloo's transport errors (a peer closed its
     # connection, a receive timed out) still reach Python as plain RuntimeErrors naming gloo.
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())

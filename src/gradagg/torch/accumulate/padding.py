@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from gradagg.errors import GradaggError, first_line
+from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate import opening, pad_run
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.collectives import all_gather_object, all_reduce_sum, device_for, get_rank, get_world_size
@@ -238,6 +238,19 @@ def finish_rounds(state: State) -> None:
             pad_once(state, rnd)
 
 
+def explained(state: State, exc: BaseException) -> BaseException:
+    """What a real microbatch that raised should raise instead: a CollectiveError naming the padding ranks when a
+    collective failed in a round where some rank padded (a padding rank failed where no stand-in could complete
+    the round: see :mod:`.pad_run`); else ``exc`` itself."""
+    rnd = state.window.agreed
+    if rnd is None or rnd.everyone or not pad_run.backend_error(exc):
+        return exc
+    padders = sorted(set(range(rnd.world)) - set(rnd.running))
+    return CollectiveError(
+        f"rank {get_rank(state.group)}: a collective failed in this microbatch, in a round where rank(s) {padders} "
+        f"ran a padding microbatch (one of them probably failed in it: its own error says how): {first_line(exc)}")
+
+
 def all_reduce_now(state: State, last: bool, lookahead: bool | None) -> bool:
     """HSDP: whether this microbatch's backward all-reduces over the replicas (deferred to the last round)."""
     rnd = state.window.agreed
@@ -261,6 +274,7 @@ __all__ = [
     "all_reduce_now",
     "before_forward",
     "enter",
+    "explained",
     "finish_rounds",
     "pad_once",
     "rounds",

@@ -40,12 +40,24 @@ def texts(mine: list[str], pp: Group, dp: Group) -> list[str]:
     return [t for got in all_gather_object(pipeline, dp) for t in got]  # type: ignore[attr-defined]
 
 
-def schedule_failure(exc: Exception, pp: Group) -> WindowError:
-    """What a rank raises when the schedule itself raised here (a stage's forward, a point-to-point failure)."""
+def schedule_failure(exc: BaseException, pp: Group) -> WindowError:
+    """What a rank raises when the schedule itself raised here (a stage's forward, a point-to-point failure).
+
+    torch wraps a stage's exception (``[Stage 0] failed to run forward``): the message names the first
+    cause too. Only this rank knows: a peer stage waiting for this one's sends learns of it when this
+    process ends (its point-to-point receive then fails, and becomes this same error there); torch's
+    point-to-point waits are not bounded by the collective timeout, so a process that catches this error and
+    lives on leaves its peers waiting.
+    """
+    cause, seen = exc, {id(exc)}
+    while cause.__cause__ is not None and id(cause.__cause__) not in seen:
+        cause = cause.__cause__
+        seen.add(id(cause))
+    why = "" if cause is exc else f", caused by {type(cause).__name__}: {first_line(cause)}"
     return WindowError(
         f"pipeline rank {get_rank(pp)} (global rank {get_rank()}): the pipelined step raised "
-        f"{type(exc).__name__}: {first_line(exc)} (a stage's forward or backward failed here, or a peer stage "
-        "failed or left and this rank's point-to-point transfer with it broke); the step's gradients are "
+        f"{type(exc).__name__}: {first_line(exc)}{why} (a stage's forward or backward failed here, or a peer "
+        "stage failed or left and this rank's point-to-point transfer with it broke); the step's gradients are "
         "unusable: every gradient here is now None"
     )
 
