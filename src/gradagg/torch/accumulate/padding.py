@@ -27,6 +27,11 @@ the lowest rank running a microbatch in that round (one ``all_gather_object``; t
 of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
 blocks: use ``fsdp="window"`` there). It runs in training mode, and counts nowhere: every buffer of the module
 (counters, BatchNorm's statistics) is put back as the padding found it (:func:`.pad_run.buffers_kept`).
+
+One rank's failure in its padding (a ``pad`` function that raises, returns what cannot be back-propagated, or
+calls a block before the model; replay inputs that cannot be pickled) is one GradaggError on every rank, the
+window dropped: the failing rank completes the round with a stand-in where it can and the next round's
+agreement carries the failure (:mod:`.pad_run`).
 """
 
 from __future__ import annotations
