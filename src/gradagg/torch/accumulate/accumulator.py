@@ -145,6 +145,9 @@ class MicrobatchAccumulator:
         except BaseException as exc:
             if w.seen:
                 w.fail(RAISED, f"microbatch {w.m} raised {type(exc).__name__}: {exc} after gradients were accumulated")
+            told = padding.explained(st, exc)  # a collective broken by a padding rank's failure: named
+            if told is not exc:
+                raise told from exc
             raise
         else:
             w.complete(value)

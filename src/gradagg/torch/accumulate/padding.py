@@ -25,20 +25,26 @@ again, the output's floating tensors summed as the loss. A rank that ran no forw
 the lowest rank running a microbatch in that round (one ``all_gather_object``; the inputs are then kept).
 ``None``: no padding; uneven counts raise GradaggError on every rank, before any FSDP collective
 of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
-blocks: use ``fsdp="window"`` there), and runs in training mode (a BatchNorm's running statistics see it:
-pass ``pad=`` for such models).
+blocks: use ``fsdp="window"`` there). It runs in training mode, and counts nowhere: every buffer of the module
+(counters, BatchNorm's statistics) is put back as the padding found it (:func:`.pad_run.buffers_kept`).
+
+One rank's failure in its padding (a ``pad`` function that raises, returns what cannot be back-propagated, or
+calls a block before the model; replay inputs that cannot be pickled) is one GradaggError on every rank, the
+window dropped: the failing rank completes the round with a stand-in where it can and the next round's
+agreement carries the failure (:mod:`.pad_run`).
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
-from gradagg.errors import GradaggError
-from gradagg.torch.accumulate import opening
+from gradagg.errors import CollectiveError, GradaggError, first_line
+from gradagg.torch.accumulate import opening, pad_run
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.collectives import all_gather_object, all_reduce_sum, device_for, get_rank, get_world_size
 
@@ -85,16 +91,18 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
     world, rank = get_world_size(state.group), get_rank(state.group)
     needs = not now and state.pad == "replay" and state.kept is None
     refuses = not now and state.pad is None
-    vec = torch.zeros(5 * world, dtype=torch.float64)  # 5 rows of one slot per rank; a sum fills them all
-    vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None], dtype=torch.float64)
-    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(5, world).tolist()
+    failed = state.pad_failure is not None
+    vec = torch.zeros(6 * world, dtype=torch.float64)  # 6 rows of one slot per rank; a sum fills them all
+    vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None, failed],
+                                    dtype=torch.float64)
+    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(6, world).tolist()
+    if any(got[5]):
+        _raise_failures(state)
     running = [r for r in range(world) if got[0][r]]
     padding = 0 < len(running) < world
     refused = [r for r in range(world) if got[3][r]] if padding else []
     if refused:
-        from gradagg.torch.accumulate.finish import discard  # finish calls this module: imported when needed
-
-        discard(state)
+        _drop(state)
         raise GradaggError(
             f"rank {rank}: uneven microbatch counts in the shards form (ranks {running} run a microbatch in this "
             f"round, rank(s) {refused} have none and pad=None): FSDP2's collectives need every rank; pass "
@@ -105,19 +113,51 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
     return Round(running, not any(got[1]), not any(got[4]), source, world)
 
 
+def _drop(state: State) -> None:
+    from gradagg.torch.accumulate.finish import discard  # finish calls this module: imported when needed
+
+    discard(state)
+    state.pad_failure = None
+
+
+def _raise_failures(state: State) -> None:
+    """A padding microbatch failed on some rank in the last round (which it completed with a stand-in): every
+    rank gathers what went wrong, drops the window and raises the same error."""
+    told = [t for t in all_gather_object(state.pad_failure, state.group) if t is not None]
+    _drop(state)
+    raise GradaggError(f"rank {get_rank(state.group)}: a padding microbatch failed: {'; '.join(map(str, told))}; "
+                       "the window was dropped on every rank")
+
+
 def share_inputs(state: State, rnd: Round) -> None:
     """The round's exchange of forward inputs, for a rank that has none to replay (every rank calls it once).
 
-    An ``all_gather_object`` in which only the source sends its inputs (the others send None; collectives.py
-    has no broadcast of objects): as a rule once per accumulator, when a rank first pads before any forward.
+    An ``all_gather_object`` in which only the source sends its inputs, pickled here first (the others send
+    None; collectives.py has no broadcast of objects): as a rule once per accumulator, when a rank first pads
+    before any forward. Inputs that cannot be pickled (a lambda keyword argument) are sent as the reason, and
+    every rank raises the same GradaggError, the window dropped.
     """
     if rnd.source < 0 or rnd.shared:
         return
     rnd.shared = True
-    mine = get_rank(state.group) == rnd.source
-    got = all_gather_object(_to_cpu(state.kept) if mine else None, state.group)[rnd.source]
-    if state.kept is None:  # kept for the next windows
-        state.kept = _to_device(got, device_for(state.group))
+    rank = get_rank(state.group)
+    got = all_gather_object(_packed(state.kept) if rank == rnd.source else None, state.group)[rnd.source]
+    if isinstance(got, str):
+        _drop(state)
+        raise GradaggError(
+            f"rank {rank}: pad='replay': rank {rnd.source}'s forward inputs, borrowed by the ranks that run out "
+            f"(ranks {sorted(set(range(rnd.world)) - set(rnd.running))} in this round), cannot be sent: {got}; pass "
+            "pad=fn (a function running a small batch of the rank's own); the window was dropped on every rank")
+    if state.kept is None and isinstance(got, bytes):  # kept for the next windows
+        state.kept = pad_run.to_device(pickle.loads(got), device_for(state.group))  # noqa: S301 - our own ranks
+
+
+def _packed(kept: object) -> bytes | str:
+    """The inputs pickled, or why they cannot be."""
+    try:
+        return pickle.dumps(pad_run.to_cpu(kept))
+    except Exception as exc:  # noqa: BLE001 - pickle raises many kinds (AttributeError for a lambda)
+        return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def pad_once(state: State, rnd: Round) -> None:
@@ -127,13 +167,11 @@ def pad_once(state: State, rnd: Round) -> None:
         state.fsdp.set_all_reduce(rnd.last or not rnd.known)
     state.padding = True
     try:
-        with torch.enable_grad():
-            loss = state.pad() if callable(state.pad) else _replay(state)
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                raise GradaggError(f"the padding microbatch's loss must be a tensor with a gradient, got {loss!r}")
-            loss.backward()  # type: ignore[no-untyped-call]
+        failure = pad_run.run(state, rnd.running)
     finally:
         state.padding = False
+    if failure is not None and state.pad_failure is None:
+        state.pad_failure = failure  # told at the next round's agreement, where every rank raises
     state.window.padded += 1
 
 
@@ -205,6 +243,19 @@ def finish_rounds(state: State) -> None:
             pad_once(state, rnd)
 
 
+def explained(state: State, exc: BaseException) -> BaseException:
+    """What a real microbatch that raised should raise instead: a CollectiveError naming the padding ranks when a
+    collective failed in a round where some rank padded (a padding rank failed where no stand-in could complete
+    the round: see :mod:`.pad_run`); else ``exc`` itself."""
+    rnd = state.window.agreed
+    if rnd is None or rnd.everyone or not pad_run.backend_error(exc):
+        return exc
+    padders = sorted(set(range(rnd.world)) - set(rnd.running))
+    return CollectiveError(
+        f"rank {get_rank(state.group)}: a collective failed in this microbatch, in a round where rank(s) {padders} "
+        f"ran a padding microbatch (one of them probably failed in it: its own error says how): {first_line(exc)}")
+
+
 def all_reduce_now(state: State, last: bool, lookahead: bool | None) -> bool:
     """HSDP: whether this microbatch's backward all-reduces over the replicas (deferred to the last round)."""
     rnd = state.window.agreed
@@ -222,61 +273,13 @@ def sends_early(state: State, last: bool) -> bool:
     return rnd is not None and rnd.last and rnd.everyone
 
 
-def _replay(state: State) -> torch.Tensor:
-    module = state.params.module
-    if state.kept is None or module is None:
-        raise GradaggError(
-            f"rank {get_rank(state.group)}: pad='replay' has no forward inputs to replay (no forward through the "
-            "module given to the accumulator ran on any rank); pass pad=fn"
-        )
-    args, kwargs = _detached(state.kept)
-    out = module(*args, **kwargs)
-    parts = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
-    if not parts:
-        raise GradaggError("pad='replay': the module's output holds no floating tensor with a gradient; pass pad=fn")
-    return torch.stack(parts).sum()
-
-
-def _tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Every tensor in a nest of tuples, lists and dicts (a ``ModelOutput`` is a dict)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _map(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
-
-
-def _detached(kept: Any) -> Any:
-    return _map(kept, lambda t: t.detach())
-
-
-def _to_cpu(kept: Any) -> Any:
-    return _map(kept, lambda t: t.detach().cpu())
-
-
-def _to_device(kept: Any, device: torch.device) -> Any:
-    return _map(kept, lambda t: t.to(device))
-
-
 __all__ = [
     "Round",
     "agree",
     "all_reduce_now",
     "before_forward",
     "enter",
+    "explained",
     "finish_rounds",
     "pad_once",
     "rounds",

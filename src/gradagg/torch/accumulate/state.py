@@ -78,6 +78,7 @@ class State:
     padding: bool = False
     kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     padded_last: int = 0
+    pad_failure: str | None = None  # a padding microbatch failed here; told at the next round (see .padding)
 
     @property
     def names(self) -> list[str]:

@@ -11,6 +11,8 @@ from gradagg.errors import GradaggError, PlacementError, WindowError
 from gradagg.torch.accumulate.stale import clear_zeroed
 from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
+from gradagg.torch.pipeline import failures
+from gradagg.torch.pipeline.agreement import check_schedule
 from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
 from gradagg.torch.pipeline.grads import reduce_and_divide
 from gradagg.torch.pipeline.ledger import PipelineLedger
@@ -66,13 +68,22 @@ class PipelineAccumulator:
 
         The loss must be a *sum* over the microbatch's tokens (not a mean), and the count the number of
         tokens it summed (0 for a padding microbatch whose labels are all ignored). The schedule
-        back-propagates the sum; :meth:`step` divides by the total count.
+        back-propagates the sum; :meth:`step` divides by the total count. A call that raises, or returns a
+        loss that is not one element with a gradient or a count that is not one number, is replaced by a zero
+        loss (so every stage's sends and receives still complete) and :meth:`step` then raises on every rank.
         """
 
         def counted(output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-            loss_sum, count = fn(output, target, **kwargs)
-            self._counts.record(loss_sum, count)
-            return loss_sum
+            try:
+                loss_sum, count = fn(output, target, **kwargs)
+                self._counts.record(loss_sum, count)
+                return loss_sum
+            except Exception as exc:  # noqa: BLE001 - any failure here: the schedule must still complete
+                zero = failures.substitute(output)
+                if zero is None:
+                    raise failures.schedule_failure(exc, self.pp_group) from exc
+                self._counts.record_failure(zero, failures.what_failed(exc))
+                return zero  # the step raises on every rank once the schedule completed
 
         return counted
 
@@ -90,11 +101,16 @@ class PipelineAccumulator:
         Raises:
             WindowError: on every rank, with every gradient set to None, when some rank had non-zero gradients before
                 the step (call ``optimizer.zero_grad()``), a count is NaN, Inf or negative, a pipeline has no
-                last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), or D = 0.
-            CollectiveError: a collective failed or timed out.
+                last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), D = 0, or the
+                loss function failed on some microbatch (naming it, the rank and the error). A failure inside
+                the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
+            CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
+                schedule class, ``n_microbatches`` or the stages (one small all_gather_object per step); a
+                collective failed or timed out.
         """
         # gradients zeroed in place (zero_grad(set_to_none=False)) are absent; any other is reported after the
         # step, on every rank
+        check_schedule(schedule, self.stages, self.pp_group)
         stale = clear_zeroed(list(zip(self.names, self.params))) is not None
         self._counts.clear()
         losses = kwargs.pop("losses", None)
@@ -103,18 +119,29 @@ class PipelineAccumulator:
         schedule.scale_grads = False
         try:
             schedule.step(*args, losses=losses, **kwargs)
+        except GradaggError:
+            self._drop()
+            raise
+        except Exception as exc:
+            self._drop()
+            raise failures.schedule_failure(exc, self.pp_group) from exc
         finally:
             schedule.scale_grads = scale
         self._counts.keep(losses)
         return self._finish(stale)
 
+    def _drop(self) -> None:
+        for p in self.params:
+            p.grad = None
+
     def _finish(self, stale: bool) -> PipelineLedger:
         present = [p.grad is not None for p in self.params]
         totals = reduce_counts(self._counts, self.last, stale, present, self.pp_group, self.dp_group)
         problem = _problem(totals)
+        if any(totals.failed):
+            problem = "; ".join(failures.texts(self._counts.failed, self.pp_group, self.dp_group))
         if problem is not None:
-            for p in self.params:
-                p.grad = None
+            self._drop()
             raise WindowError(f"rank {get_rank()}: {problem}; every rank raises, and every gradient is now None")
         reduce_and_divide(self.params, totals.present, totals.divisor, self.dp_group)
         self.ties.reduce()

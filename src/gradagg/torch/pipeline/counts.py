@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gradagg.errors import GradaggError, first_line
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, get_world_size
 
-# One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, invalid counts, stale ranks.
-_FIELDS = 7
+# One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, invalid counts, stale ranks,
+# microbatches whose loss function failed.
+_FIELDS = 8
 
 
 class Counts:
@@ -26,16 +28,37 @@ class Counts:
     def __init__(self) -> None:
         self.tokens: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []
+        self.failed: list[str] = []  # what went wrong in each microbatch whose loss function failed, in order
         self._calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._failures: dict[int, tuple[torch.Tensor, str]] = {}
 
     def clear(self) -> None:
         self.tokens.clear()
         self.losses.clear()
+        self.failed.clear()
         self._calls.clear()
+        self._failures.clear()
+
+    def record_failure(self, substitute: torch.Tensor, what: str) -> None:
+        """A loss function call that failed: ``substitute`` (a zero loss) ran in its place; ``what`` says why."""
+        self._failures[id(substitute)] = (substitute, what)
 
     def record(self, loss_sum: torch.Tensor, count: torch.Tensor | float) -> None:
-        # Kept as tensors: a .item() here would be one device-to-host sync per microbatch.
-        self._calls.append((loss_sum, torch.as_tensor(count).detach().reshape(()).to(torch.float64)))
+        """Keep one call's loss and count; a loss the schedule cannot back-propagate, or a count that is not
+        one number, raises GradaggError (the wrapped loss turns it into a failed microbatch)."""
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or not loss_sum.requires_grad:
+            shown = f"shape {tuple(loss_sum.shape)}, requires_grad={loss_sum.requires_grad}" if isinstance(
+                loss_sum, torch.Tensor) else type(loss_sum).__name__
+            raise GradaggError(f"the loss must be a one-element tensor with a gradient, got {shown}")
+        try:
+            value = torch.as_tensor(count).detach().reshape(())
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise GradaggError(f"the count must be one number, got {first_line(exc)}") from None
+        # Kept as tensors: a .item() here would be one device-to-host sync per microbatch. A copy, always: a
+        # count tensor the loss function reuses and overwrites for the next microbatch must count the value it
+        # held when given (``.to(float64)`` of a float64 tensor, or ``reshape`` of one of shape (1,), is the same
+        # storage).
+        self._calls.append((loss_sum, value.to(torch.float64, copy=True)))
 
     def keep(self, losses: list[torch.Tensor]) -> None:
         """Keep the calls whose loss the schedule returned, in its microbatch order, and drop the rest.
@@ -50,7 +73,10 @@ class Counts:
         kept = [(loss, by_id[id(loss)]) for loss in losses if id(loss) in by_id]
         self.losses = [loss.detach().reshape(()).to(torch.float64) for loss, _ in kept]
         self.tokens = [count for _, count in kept]
+        self.failed = [f"microbatch {k}: {self._failures[id(loss)][1]}" for k, loss in enumerate(losses)
+                       if id(loss) in self._failures]  # the shape-inference call's failures are not kept
         self._calls.clear()
+        self._failures.clear()
 
 
 @dataclass(frozen=True)
@@ -65,6 +91,7 @@ class Totals:
     invalid: tuple[int, ...]
     stale: tuple[int, ...]
     present: tuple[bool, ...]
+    failed: tuple[int, ...] = ()
 
     @property
     def divisor(self) -> float:
@@ -87,6 +114,7 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
         tokens=tuple(col[0]), microbatches=tuple(int(x) for x in col[1]), padding=tuple(int(x) for x in col[2]),
         lasts=tuple(int(x) for x in col[3]), loss=float(sum(col[4])), invalid=tuple(int(x) for x in col[5]),
         stale=tuple(int(x) for x in col[6]), present=tuple(v != 0 for v in buf[_FIELDS * width:].tolist()),
+        failed=tuple(int(x) for x in col[7]),
     )
 
 
@@ -97,6 +125,7 @@ def _local(counts: Counts, last: bool, stale: bool, device: torch.device) -> tor
     if not last:
         return out
     out[3] = 1.0
+    out[7] = float(len(counts.failed))
     if not counts.tokens:
         return out
     c = torch.stack(counts.tokens).to(device)

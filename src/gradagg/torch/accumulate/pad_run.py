@@ -1,0 +1,224 @@
+"""One padding microbatch of the shards form (see :mod:`.padding`): it counts nowhere, and its failure is told.
+
+Counts nowhere: the padding's gradients are dropped in their hooks (:mod:`.opening`), and every buffer of the
+module is put back as the padding found it (:func:`buffers_kept`).
+
+A failure: the other ranks are inside a real microbatch, in FSDP2's all-gathers and reduce-scatters, which
+this rank must join or they wait out the collective timeout. So when the padding function raises or returns
+what cannot be back-propagated, this rank completes the round with a *stand-in* whose collectives are the
+same as a real microbatch's, and reports the failure at the next round's agreement, where every rank raises
+(:func:`.padding.agree`). The stand-in is, in order of preference: a zero loss over the root module's output
+(the forward completed: only its backward is missing); a replay of this rank's last real inputs (the model
+did not run yet). Where neither is possible (the failure came inside the model's forward, or this rank
+has no inputs of its own), the collectives cannot be completed: this rank raises at once, and the others
+fail in FSDP's collectives after the timeout. A padding function that calls an FSDP submodule before the
+root (``model.blocks[0](x)``: FSDP's collectives would pair with the wrong module's on the other ranks) is
+stopped before that submodule's all-gather, and counts as a failure before the model ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradagg.errors import CollectiveError, GradaggError, first_line
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.collectives import get_rank
+
+
+class Watch:
+    """Hooks held while a padding forward runs: whether the root's forward started, its output, and a guard
+    on every FSDP submodule that refuses a forward reaching it before the root's (no collective issued yet)."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self.started, self.output, self.handles = False, None, list[Any]()
+        if module is None:
+            return
+        from torch.distributed.fsdp import FSDPModule  # public since torch 2.6
+
+        self.handles.append(module.register_forward_pre_hook(self._start))
+        self.handles.append(module.register_forward_hook(self._keep))
+        for name, sub in module.named_modules():
+            sharded = isinstance(sub, FSDPModule)  # a bool: narrowing sub to FSDPModule would hide nn.Module's API
+            if sub is not module and sharded:
+                self.handles.append(sub.register_forward_pre_hook(self._guard(name), prepend=True))
+
+    def _start(self, *_: object) -> None:
+        self.started = True
+
+    def _keep(self, _module: object, _args: object, output: Any) -> None:
+        self.output = output
+
+    def _guard(self, name: str) -> Any:
+        def hook(*_: object) -> None:
+            if not self.started:
+                raise GradaggError(
+                    f"reached the FSDP module {name!r} without the forward of the module given to the accumulator: "
+                    "a padding forward must run the whole model, as a real microbatch does (FSDP2's collectives "
+                    "pair module by module)")
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def run(state: State, running: list[int]) -> str | None:
+    """Run one padding forward and backward; None, or what went wrong (the round completed with a stand-in).
+
+    Raises:
+        GradaggError: a failure no stand-in can complete (this rank only: the others fail in FSDP's collectives).
+        CollectiveError: a collective failed inside the padding (a running rank failed or left).
+    """
+    module = state.params.module
+    watch = Watch(module)
+    try:
+        with torch.enable_grad(), buffers_kept(module):
+            failure, loss = None, None
+            try:
+                loss = checked(state.pad() if callable(state.pad) else replay(state))
+            except Exception as exc:  # noqa: BLE001 - any failure: the round's collectives must still complete
+                failure = f"rank {get_rank(state.group)}: the padding microbatch ({_named(state.pad)}) {_what(exc)}"
+                loss = _stand_in(state, watch, exc, running, failure)
+            _backward(state, loss, running)
+            return failure
+    finally:
+        watch.close()
+
+
+def _stand_in(state: State, watch: Watch, exc: Exception, running: list[int], failure: str) -> torch.Tensor:
+    if backend_error(exc):
+        raise _peer_failed(state, exc, running) from exc
+    if watch.output is not None:
+        parts = [t.sum() * 0.0 for t in _tensors(watch.output) if t.is_floating_point() and t.requires_grad]
+        if parts:
+            return torch.stack(parts).sum()
+    elif not watch.started and state.kept is not None:
+        return replay(state)
+    raise GradaggError(
+        f"{failure}; nothing can complete this round's FSDP collectives in its place (the model's forward "
+        f"{'failed inside' if watch.started else 'did not run, and this rank ran no forward of its own'}): "
+        f"ranks {running} will fail in them after the collective timeout") from exc
+
+
+def _backward(state: State, loss: torch.Tensor, running: list[int]) -> None:
+    try:
+        loss.backward()  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        if backend_error(exc):
+            raise _peer_failed(state, exc, running) from exc
+        raise GradaggError(f"rank {get_rank(state.group)}: the padding microbatch's backward raised "
+                           f"{type(exc).__name__}: {first_line(exc)}; ranks {running} will fail in FSDP's "
+                           "collectives after the collective timeout") from exc
+
+
+def checked(loss: object) -> torch.Tensor:
+    """The padding's loss, if it can be back-propagated as a real one: one element, with a gradient."""
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad or loss.numel() != 1:
+        shown = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                 if isinstance(loss, torch.Tensor) else type(loss).__name__)
+        raise GradaggError(f"returned {shown}; the padding's loss must be a one-element tensor with a gradient")
+    return loss
+
+
+def backend_error(exc: BaseException) -> bool:
+    # DistError is what torch raises for a backend failure; gloo's transport errors (a peer closed its
+    # connection, a receive timed out) still reach Python as plain RuntimeErrors naming gloo.
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
+
+
+def _peer_failed(state: State, exc: BaseException, running: list[int]) -> CollectiveError:
+    return CollectiveError(
+        f"rank {get_rank(state.group)}: a collective failed inside this rank's padding microbatch, while ranks "
+        f"{running} ran real ones (one of them probably raised or left): {first_line(exc)}")
+
+
+def _what(exc: BaseException) -> str:
+    if isinstance(exc, GradaggError):
+        return str(exc)
+    return f"raised {type(exc).__name__}: {first_line(exc)}"
+
+
+def _named(pad: object) -> str:
+    fn = getattr(pad, "func", pad)  # a functools.partial: the function it calls
+    return "pad='replay'" if pad == "replay" else f"pad={getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+@contextmanager
+def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
+    """Leave every buffer of ``module`` as the block found it: padding counts nowhere.
+
+    A padding forward runs the model in training mode: a token counter, BatchNorm's running statistics and
+    ``num_batches_tracked``, an MoE router's load counts would take it as a real batch. Each buffer (plain or
+    DTensor; FSDP2 shards parameters, not buffers) is copied before and written back in place after (after the
+    backward too: a backward hook may count); one the forward reassigned is put back as the same tensor
+    object (a reference taken elsewhere stays right), and one registered during the block is removed.
+    Memory: one copy of the module's buffers while the block runs.
+    """
+    if module is None:
+        yield
+        return
+    mods = list(module.modules())
+    saved = [(mod, name, buf, buf.detach().clone()) for mod in mods for name, buf in mod.named_buffers(recurse=False)]
+    before = {(id(mod), name) for mod, name, _, _ in saved}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for mod, name, buf, value in saved:
+                if getattr(mod, name, None) is not buf:
+                    setattr(mod, name, buf)  # Module.__setattr__ puts a tensor back into a registered buffer
+                buf.copy_(value)
+            for mod in mods:
+                for name in [n for n, _ in mod.named_buffers(recurse=False) if (id(mod), n) not in before]:
+                    delattr(mod, name)
+
+
+def replay(state: State) -> torch.Tensor:
+    """``pad="replay"``: the root module's last forward inputs run again, the output's floating tensors summed."""
+    module = state.params.module
+    if state.kept is None or module is None:
+        raise GradaggError(
+            f"rank {get_rank(state.group)}: pad='replay' has no forward inputs to replay (no forward through the "
+            "module given to the accumulator ran on any rank); pass pad=fn"
+        )
+    args, kwargs = _map(state.kept, lambda t: t.detach())
+    out = module(*args, **kwargs)
+    parts = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+    if not parts:
+        raise GradaggError("pad='replay': the module's output holds no floating tensor with a gradient; pass pad=fn")
+    return torch.stack(parts).sum()
+
+
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts (a ``ModelOutput`` is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def to_cpu(kept: Any) -> Any:
+    return _map(kept, lambda t: t.detach().cpu())
+
+
+def to_device(kept: Any, device: torch.device) -> Any:
+    return _map(kept, lambda t: t.to(device))
