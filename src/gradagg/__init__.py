@@ -20,6 +20,7 @@ from typing import Any
 
 from gradagg.errors import (
     CollectiveError,
+    ContractError,
     FormatError,
     GradaggError,
     GradientShapeError,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",
+    "ContractError",
     "FormatError",
     "GradaggError",
     "GradientShapeError",
