@@ -50,7 +50,7 @@ def _run(acc: MicrobatchAccumulator, model: nn.Module, weighted: bool = False) -
 
 
 def _grads(module: nn.Module) -> dict[str, list[float] | None]:
-    return {n: None if p.grad is None else p.grad.tolist() for n, p in module.named_parameters()}
+    return {n: None if p.grad is None else p.grad.reshape(-1).tolist() for n, p in module.named_parameters()}
 
 
 def subgroups() -> tuple[Any, Any]:
@@ -100,19 +100,26 @@ def ddp_ignored(weighted: bool) -> dict[str, Any]:
     return {"grads": _grads(model.module), "report": ledger.report(), "rank_local": list(ledger.rank_local)}
 
 
-def ddp_buffer_changed(change: str) -> Any:
+def ddp_buffer_changed(change: str) -> dict[str, Any]:
     """Rank 1 changes the dtype or the shape of a buffer DDP broadcasts, during the window: refused on every rank
-    at finish(), before any buffer moves."""
+    at finish(), before any buffer moves; after discard() and the buffer put back, the next window is exact."""
     model = DDP(Pair())
     acc = MicrobatchAccumulator(model)
+    mod = model.module
+    kept = mod.seen
 
     def window() -> None:
         if dist.get_rank() == 1:
-            mod = model.module
-            mod.seen = mod.seen.float() if change == "dtype" else torch.zeros(3, dtype=torch.float64)
+            mod.seen = kept.float() if change == "dtype" else torch.zeros(3, dtype=torch.float64)
         _run(acc, model)
 
-    return error_of(window)
+    error = error_of(window)
+    again = error_of(acc.finish)  # still refused: the window stays failed until discard()
+    acc.discard()
+    mod.seen = kept
+    _run(acc, model)
+    acc.close()
+    return {"error": error, "again": again, "after": _grads(mod)}
 
 
 def outside_group() -> Any:
@@ -140,6 +147,78 @@ def dtensor_weight(placement: str) -> Any:
 
     err = error_of(window)
     return err if err is not None else {"grad": p.grad.tolist(), "divisor": acc.ledger.divisor}  # type: ignore[union-attr]
+
+
+# --- the class: DDP's groups, its ignored parameters and changing buffers, drawn from a seed -------------------
+
+PARTITIONS = [[[0, 1, 2]], [[0, 1], [2]], [[0], [1, 2]], [[0, 2], [1]], [[0], [1], [2]]]
+SHAPES = {"a": (3,), "b": (2, 2), "c": (1,)}
+
+
+def plan(seed: int) -> dict[str, Any]:
+    """One trial, the same on every rank and in the test's truth: DDP's groups, the ignored parameters, the
+    microbatches (count, weight, whether each reaches ``c``), the accumulator's group, a buffer change."""
+    import random
+
+    rng = random.Random(seed)
+    counts = [rng.randint(0, 3) for _ in range(3)]
+    return {
+        "parts": rng.choice(PARTITIONS),
+        "ignored": sorted(rng.sample(sorted(SHAPES), rng.randint(0, 2))),
+        "counts": counts,
+        "weighted": rng.random() < 0.5,
+        "weights": [[rng.randint(0, 3) for _ in range(n)] for n in counts],
+        "uses_c": [[rng.random() < 0.6 for _ in range(n)] for n in counts],
+        "group": rng.choice(["none", "none", "own", "world"]),
+        "change": rng.choice([None, None, ("dtype", rng.randint(0, 2)), ("shape", rng.randint(0, 2))]),
+    }
+
+
+class Three(nn.Module):
+    """``sum(a) x + 2 sum(b) x + 3 sum(c) x``: parameter j's gradient is (j + 1) x in every element."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in SHAPES.items():
+            setattr(self, name, nn.Parameter(torch.zeros(shape, dtype=torch.float64)))
+        self.register_buffer("seen", torch.zeros(2, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, uses_c: bool) -> torch.Tensor:
+        out = self.a.sum() * x + 2 * self.b.sum() * x
+        return out + 3 * self.c.sum() * x if uses_c else out
+
+
+def trial(seed: int) -> Any:
+    """Run ``plan(seed)`` on this rank: its gradients, or ``(error class, message)``."""
+    pl, rank = plan(seed), dist.get_rank()
+    groups = [dist.new_group(part) for part in pl["parts"]]  # every rank creates every group, in one order
+    own = next(g for g, part in zip(groups, pl["parts"]) if rank in part)
+    module = Three()
+    DDP._set_params_and_buffers_to_ignore_for_model(module, pl["ignored"])  # see ddp_ignored
+    model = DDP(module, process_group=own)
+    given = {"none": None, "own": own, "world": dist.group.WORLD}[pl["group"]]
+    built: list[MicrobatchAccumulator] = []
+    error = error_of(lambda: built.append(MicrobatchAccumulator(model, group=given)))
+    if error is not None:
+        return error
+    acc = built[0]
+    change = pl["change"]
+    if change is not None and change[1] == rank:
+        module.seen = module.seen.float() if change[0] == "dtype" else torch.zeros(3, dtype=torch.float64)
+
+    def window() -> None:
+        for k in acc.microbatches(range(pl["counts"][rank])):
+            with acc.microbatch(weight=pl["weights"][rank][k] if pl["weighted"] else None):
+                model(torch.tensor(coef(rank, k), dtype=torch.float64), pl["uses_c"][rank][k]).sum().backward()
+        acc.finish()
+
+    error = error_of(window)
+    acc.close()
+    return error if error is not None else _grads(module)
+
+
+def fuzz_world(seeds: list[int]) -> list[Any]:
+    return [trial(seed) for seed in seeds]
 
 
 def trust_world() -> dict[str, Any]:

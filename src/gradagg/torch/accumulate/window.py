@@ -190,6 +190,15 @@ class Window:
         elif self.mode == NONE:
             self.mode = mode
 
+    def local_divisor(self) -> float | None:
+        """This rank's own D, for the parameters kept rank-local (DDP's ``parameters_to_ignore``, see
+        :mod:`.ddp`): its M, its total weight, or 1 for loss terms divided ahead (by their global totals); None where
+        it counted nothing (no microbatch, or a total weight of 0)."""
+        if self.mode == DIVIDED:
+            return 1.0
+        total = weight_sum(weight_values(self.weights)) if self.mode == WEIGHTED else float(self.m)
+        return total if total > 0 else None
+
     def complete(self, weight: Weight | None) -> None:
         """A microbatch ended without raising: count it, its weight and its participation."""
         self.m += 1
