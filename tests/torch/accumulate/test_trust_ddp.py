@@ -114,6 +114,12 @@ def test_dtensor_weights(results: list[dict[str, Any]]) -> None:
         assert kind == "GradaggError" and "Partial" in message and "Replicate()" in message, message
 
 
+def test_holding_ddp_warns_nothing(results: list[dict[str, Any]]) -> None:
+    """Building the accumulator over DDP (its buffer sync turned off through the public attribute), a window and
+    close(), with warnings as errors (issue 25: no deprecated DDP option of gradagg's own)."""
+    assert [r["no_warnings"] for r in results] == [None] * 3
+
+
 # --- the class ----------------------------------------------------------------------------------------------------
 
 

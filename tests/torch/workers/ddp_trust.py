@@ -221,8 +221,25 @@ def fuzz_world(seeds: list[int]) -> list[Any]:
     return [trial(seed) for seed in seeds]
 
 
+def no_warnings() -> str | None:
+    """DDP with its defaults held, a window finished and released with every warning an error: None, or the first."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model = DDP(Pair())
+            acc = MicrobatchAccumulator(model)
+            _run(acc, model)
+            acc.close()
+    except Warning as w:
+        return f"{type(w).__name__}: {w}"
+    return None
+
+
 def trust_world() -> dict[str, Any]:
     return {
+        "no_warnings": no_warnings(),
         "subgroup": ddp_subgroup(),
         "subgroup_mismatch": ddp_subgroup_mismatch(),
         "same_group_given": ddp_same_group_given(),

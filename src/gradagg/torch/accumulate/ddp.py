@@ -238,9 +238,21 @@ def _difference(tables: list[list[tuple[str, str]]], rank: int) -> str:
     )
 
 
+def skip_buffer_sync(module: object) -> None:
+    """Turn a DDP module's forward buffer sync off (the accumulator then broadcasts none either); other modules
+    are left alone. For buffers the same on every rank by construction. Through DDP's public attribute, where
+    DDP's ``broadcast_buffers`` constructor argument is deprecated (torch >= 2.13) and warns.
+
+    Args:
+        module: the model as a framework prepared it (a ``DistributedDataParallel`` or not).
+    """
+    if isinstance(module, DistributedDataParallel):
+        setattr(module, _sync_option(module), False)
+
+
 def _sync_option(ddp: DistributedDataParallel) -> str:
     """The attribute DDP's forward reads: torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers``."""
     return "forward_sync_buffers" if hasattr(ddp, "forward_sync_buffers") else "broadcast_buffers"
 
 
-__all__ = ["DdpHold", "ddp_group"]
+__all__ = ["DdpHold", "ddp_group", "skip_buffer_sync"]
