@@ -21,7 +21,8 @@ DDP. ``discard()`` broadcasts nothing (it is local); the next ``finish()`` does.
 Before each broadcast the ranks check, with one small all-gather of a digest, that the buffers agree in name,
 dtype and shape (a buffer reassigned on one rank during the window would otherwise be broadcast into garbage, or
 not at all): a mismatch raises :class:`~gradagg.errors.CollectiveError` on every rank, naming the buffer, the ranks
-and both descriptions, before any buffer moves.
+and both descriptions, before any buffer moves. A module without buffers when the accumulator is built sends
+neither check nor broadcast in its windows (DDP too decides from the buffers it saw last).
 
 DDP's own settings are kept:
 
@@ -90,7 +91,8 @@ class DdpHold:
             )
         self.ddp, self.group, self.local = ddp, group, list(local)
         self._option = _sync_option(ddp)
-        self.syncs_buffers = bool(getattr(ddp, self._option, True))
+        self.syncs_buffers = bool(getattr(ddp, self._option, True))  # DDP's own setting, given back by release()
+        self._any = True  # whether the module held buffers to sync when built: as DDP, none then means none ever
         setattr(ddp, self._option, False)  # DDP's forward broadcasts nothing while held; sync_buffers() does
         self._held: contextlib.AbstractContextManager[Any] | None = ddp.no_sync()
         self._held.__enter__()
@@ -113,7 +115,7 @@ class DdpHold:
             CollectiveError: the ranks' buffers differ in name, dtype or shape (every rank, naming the buffer, the
                 ranks and both descriptions, before any buffer moved); the broadcast failed or timed out.
         """
-        if not self.syncs_buffers or self._held is None:
+        if not self.syncs_buffers or not self._any or self._held is None:
             return
         ignored: set[str] = set(getattr(self.ddp, "parameters_to_ignore", ()))
         # re-read every time, as DDP does: a module may reassign its buffers
@@ -126,6 +128,8 @@ class DdpHold:
             window.open = True  # stays refused on every rank until discard()
             raise CollectiveError(f"{problem}; the window's gradients were not handed out: call discard() on every "
                                   "rank")
+        if window is None:  # built: the ranks agree on the buffers; without any, no window checks or sends any
+            self._any = bool(named)
         kinds: dict[torch.dtype, list[torch.Tensor]] = {}
         for _, b in named:
             kinds.setdefault(b.dtype, []).append(b)
