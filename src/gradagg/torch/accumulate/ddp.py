@@ -130,18 +130,7 @@ class DdpHold:
                                   "rank")
         if window is None:  # built: the ranks agree on the buffers; without any, no window checks or sends any
             self._any = bool(named)
-        kinds: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, b in named:
-            kinds.setdefault(b.dtype, []).append(b)
-        device = device_for(self.group)
-        with torch.no_grad():
-            for same in kinds.values():  # in first-seen order: the same on every rank (checked above)
-                flat = torch.cat([b.detach().reshape(-1).to(device) for b in same])
-                broadcast_from_first(flat, self.group)
-                start = 0
-                for b in same:
-                    b.copy_(flat[start : start + b.numel()].view_as(b))
-                    start += b.numel()
+        _broadcast([b for _, b in named], self.group)
 
     def divide_local(self, divisor: float | None) -> None:
         """The rank-local parameters' gradients: this rank's sum divided by its own count (None: it counted none).
@@ -196,6 +185,22 @@ def ddp_group(ddp: DistributedDataParallel, group: Group) -> Group:
         "accumulator must average over the ranks DDP averages over; leave group=None to take DDP's group, or build "
         "DDP with the group you mean"
     )
+
+
+def _broadcast(buffers: list[torch.Tensor], group: Group) -> None:
+    """Overwrite ``buffers`` with the group's rank 0's, one broadcast per dtype (the same order on every rank)."""
+    kinds: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in buffers:
+        kinds.setdefault(b.dtype, []).append(b)
+    device = device_for(group)
+    with torch.no_grad():
+        for same in kinds.values():  # in first-seen order: the same on every rank (checked before)
+            flat = torch.cat([b.detach().reshape(-1).to(device) for b in same])
+            broadcast_from_first(flat, group)
+            start = 0
+            for b in same:
+                b.copy_(flat[start : start + b.numel()].view_as(b))
+                start += b.numel()
 
 
 def _ranks(group: Group) -> list[int]:
