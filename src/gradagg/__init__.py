@@ -19,6 +19,7 @@ that need them.
 
 from gradagg.errors import (
     CollectiveError,
+    ContractError,
     FormatError,
     GradaggError,
     GradientShapeError,
@@ -37,6 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveError",
+    "ContractError",
     "FormatError",
     "GradaggError",
     "GradientShapeError",

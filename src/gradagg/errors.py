@@ -1,10 +1,19 @@
 """The one error hierarchy of gradagg.
 
-Every contract violation is a :class:`GradaggError`, which subclasses
-``ValueError`` so that callers who already catch ``ValueError`` keep working.
-A message always says *where* (row, column, microbatch, rank) and *what*
-(both values involved), e.g. ``"row 17: gradient has length 3, expected 4
-(from row 0)"``.
+Every error gradagg raises is a :class:`GradaggError`: ``except GradaggError`` catches them all. Two kinds:
+
+* a broken contract or bad input, of a named kind, is a :class:`ContractError` subclass (``RowShapeError``,
+  ``WindowError``, ...), also a ``ValueError``, so that callers who already catch ``ValueError`` keep working;
+* a :class:`CollectiveError` (a peer rank died, a collective timed out, the ranks of a group disagree) is *not* a
+  ``ValueError``: an ``except ValueError`` around a training step must not swallow a dead rank (the other ranks
+  would wait for it until their own timeout).
+
+A plain ``GradaggError`` (raised as is for bad input without a kind of its own) is not a ``ValueError`` either.
+A message always says *where* (row, column, microbatch, rank) and *what* (both values involved), e.g.
+``"row 17: gradient has length 3, expected 4 (from row 0)"``.
+
+>>> issubclass(WindowError, ValueError), issubclass(CollectiveError, ValueError)
+(True, False)
 """
 
 from __future__ import annotations
@@ -12,51 +21,58 @@ from __future__ import annotations
 _SHOWN = 80  # characters of a value shown in a message: one readable line whatever the input holds
 
 
-class GradaggError(ValueError):
-    """Base class of every error gradagg raises for bad input or a broken contract."""
+class GradaggError(Exception):
+    """Base class of every error gradagg raises (bad input, a broken contract, a failed collective)."""
 
 
-class RowShapeError(GradaggError):
+class ContractError(GradaggError, ValueError):
+    """Base class of the named contract violations and bad inputs: each is also a ``ValueError``."""
+
+
+class RowShapeError(ContractError):
     """A row has the wrong number of fields, or a microbatch the wrong number of values."""
 
 
-class GradientTypeError(GradaggError):
+class GradientTypeError(ContractError):
     """A gradient (or microbatch value) is not a number: a string, a bool, a dict..."""
 
 
-class GradientShapeError(GradaggError):
+class GradientShapeError(ContractError):
     """Vector gradients of one shard differ in length, or a scalar meets a vector."""
 
 
-class IdError(GradaggError):
+class IdError(ContractError):
     """A shard, worker or owner id is missing (None) or of an unsupported type."""
 
 
-class UnorderableShardError(GradaggError):
+class UnorderableShardError(ContractError):
     """Two shard ids cannot be ordered against each other (e.g. ``1`` and ``"a"``)."""
 
 
-class NumberRangeError(GradaggError):
+class NumberRangeError(ContractError):
     """A sum or mean is outside what a float can hold (e.g. a 400-digit integer met by a float)."""
 
 
-class NonFiniteGradientError(GradaggError):
+class NonFiniteGradientError(ContractError):
     """A counted gradient is NaN or infinite and the caller asked for an error."""
 
 
-class FormatError(GradaggError):
+class FormatError(ContractError):
     """An input file cannot be parsed in the chosen format."""
 
 
-class OutputError(GradaggError):
+class OutputError(ContractError):
     """The result cannot be written: where ``-o`` points, or in the chosen output format."""
 
 
 class CollectiveError(GradaggError):
-    """Ranks of a process group disagree, or a collective failed or timed out."""
+    """Ranks of a process group disagree, or a collective failed or timed out (a peer died).
+
+    Not a ``ValueError``: code that catches ``ValueError`` for its own reasons must not swallow a dead rank.
+    """
 
 
-class WindowError(GradaggError):
+class WindowError(ContractError):
     """An accumulation window is in a state that forbids the requested step.
 
     ``reason`` is what went wrong; ``remedy``, when given, what the caller should do next: the message is
@@ -73,11 +89,11 @@ class WindowError(GradaggError):
         self.remedy = remedy
 
 
-class PlacementError(GradaggError):
+class PlacementError(ContractError):
     """A DTensor's placement or mesh cannot be counted exactly once (e.g. ``Partial``)."""
 
 
-class ScriptError(GradaggError):
+class ScriptError(ContractError):
     """A user's script cannot be used for a parity check (a missing function, a bad layout)."""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
@@ -84,3 +85,38 @@ def test_manual_optimisation_and_several_optimizers_are_refused() -> None:
         _check_fit(SimpleNamespace(optimizers=[object()]), manual)  # type: ignore[arg-type]
     with pytest.raises(GradaggError, match="one optimizer; configure_optimizers gave 2"):
         _check_fit(SimpleNamespace(optimizers=[object(), object()]), automatic)  # type: ignore[arg-type]
+
+
+def test_a_reused_weight_tensor_counts_each_microbatchs_own_value() -> None:
+    """One process, one preallocated count that every ``training_step`` updates in place (``count.copy_(n)``)
+    and returns as ``{"weight": count}``: microbatch k counts its own n (1, then 4: D = 5, the gradient
+    (1 + 4) / 5 = 1 exactly); keeping the tensor counted the last n twice (D = 8, 0.625)."""
+    import lightning.pytorch as pl
+
+    from gradagg.integrations.lightning import ExactAccumulation
+
+    counts, seen = [1.0, 4.0], {}
+
+    class Counted(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(2))
+            self.count = torch.zeros(())
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            n = counts[batch_idx]
+            self.count.copy_(torch.tensor(n))
+            return {"loss": self.p.sum() * n, "weight": self.count}  # d loss / d p = n: the sum over n items
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:  # after the callback's finish()
+            seen["grad"] = None if self.p.grad is None else self.p.grad.clone()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = ExactAccumulation()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Counted(), torch.utils.data.DataLoader(torch.zeros(2, 1), batch_size=1))
+    assert seen["grad"] is not None and torch.equal(seen["grad"], torch.ones(2)), seen

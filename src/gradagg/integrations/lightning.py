@@ -20,7 +20,8 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
 * ``on_before_optimizer_step`` (after the closure that runs the window's last backward, before Lightning
   clips) calls ``finish()``: one collective per gradient bucket, the weights counted on all ranks.
 * the weight comes from the dict ``training_step`` returns (read by a thin wrapper around it, installed
-  for the fit and removed after), or from ``weight=fn``.
+  for the fit and removed after), or from ``weight=fn``; its value is taken when it is given (a tensor is copied:
+  one count tensor updated in place by every ``training_step`` counts each batch's own value).
 
 Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``, and keeps its buffer
 broadcast itself: one from rank 0 per window, in ``finish()``) and
@@ -85,7 +86,7 @@ class ExactAccumulation(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
-        self._weight = None if self._weight_fn is None else self._weight_fn(batch, batch_idx)
+        self._weight = None if self._weight_fn is None else _taken(self._weight_fn(batch, batch_idx))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         acc = self.accumulator
@@ -122,7 +123,7 @@ class ExactAccumulation(Callback):
 
     def _take_output(self, output: Any) -> None:
         if isinstance(output, dict) and "weight" in output:
-            self._weight = output["weight"]
+            self._weight = _taken(output["weight"])
 
     def _end(self, pl_module: LightningModule) -> None:
         pl_module.__dict__.pop("training_step", None)
@@ -140,6 +141,12 @@ def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
     if len(trainer.optimizers) != 1:
         raise GradaggError(f"ExactAccumulation supports one optimizer; configure_optimizers gave "
                            f"{len(trainer.optimizers)}")
+
+
+def _taken(weight: object) -> object:
+    """``weight``'s value now: a tensor is copied (on its device, no host sync), so that a count kept in one tensor
+    and updated in place by the next ``training_step`` still counts this batch's value."""
+    return weight.detach().clone() if isinstance(weight, torch.Tensor) else weight
 
 
 def _steps_after(trainer: Trainer, batch_idx: int) -> bool:

@@ -31,7 +31,9 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
   window was finished.
 * DDP's buffer broadcast is turned off when every buffer is non-persistent (derived from the config, e.g.
   Llama's rotary ``inv_freq``: the same on every rank by construction) and ``ddp_broadcast_buffers`` was not
-  set; otherwise DDP is built as configured.
+  set: through DDP's public ``forward_sync_buffers`` once Accelerate built it (DDP's deprecated
+  ``broadcast_buffers`` argument would warn on every rank), so DDP's one broadcast at construction still runs;
+  otherwise DDP is as configured.
 
 The microbatch's count, by default, is its labels other than -100 after the causal shift
 (:func:`gradagg.integrations._tokens.label_tokens`), for causal LMs (the model's loss is ``ForCausalLM``), and its
@@ -102,7 +104,7 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     trainer.loss_is_scaled_for_ga = True
     trainer.accelerator.no_sync = _no_sync_held
     trainer.add_callback(_FinishedGuard(hold))
-    _skip_constant_buffer_broadcast(trainer)
+    hold.constant_buffers = _constant_buffers(trainer)
     setattr(trainer, _MARK, hold)
     return trainer
 
@@ -121,14 +123,18 @@ class _Exact:
         self.pending: float | None = None  # the count of the microbatch whose training_step is running
         self.window_loss: Any = None  # this rank's token-summed loss over the open window (a tensor: no host sync)
         self.finished = False  # whether the current window was finished (reset by the guard at each step)
+        self.constant_buffers = False  # DDP need not sync the buffers: all non-persistent, no ddp_broadcast_buffers
 
     def accumulator(self, model: Any) -> Any:
         """The accumulator around ``model`` as the Trainer prepared it (built at the first step, anew if it changes)."""
         if self.acc is None or self.model is not model:
             from gradagg.torch import MicrobatchAccumulator
+            from gradagg.torch.accumulate.ddp import skip_buffer_sync
 
             if self.acc is not None:
                 self.acc.close()
+            if self.constant_buffers:
+                skip_buffer_sync(model)  # DDP's public attribute, not Accelerate's deprecated broadcast_buffers
             self.acc, self.model = MicrobatchAccumulator(model), model
             self.fsdp_modules = _fsdp_modules(model)
         return self.acc
@@ -356,15 +362,13 @@ def _default_weight(trainer: Any) -> Weight:
     return lambda inputs: label_tokens(inputs, "a training microbatch")
 
 
-def _skip_constant_buffer_broadcast(trainer: Any) -> None:
-    """Build DDP without a buffer broadcast when every buffer is non-persistent and the user did not ask for one."""
-    handler = getattr(trainer.accelerator, "ddp_handler", None)
-    if handler is None or trainer.args.ddp_broadcast_buffers is not None:
-        return
+def _constant_buffers(trainer: Any) -> bool:
+    """Whether DDP may skip its buffer sync: every buffer is non-persistent and the user did not ask for one."""
+    if getattr(trainer.accelerator, "ddp_handler", None) is None or trainer.args.ddp_broadcast_buffers is not None:
+        return False
     model = trainer.model
     kept = set(model.state_dict(keep_vars=True))
-    if all(name not in kept for name, _ in model.named_buffers()):
-        handler.broadcast_buffers = False
+    return all(name not in kept for name, _ in model.named_buffers())
 
 
 __all__ = ["Weight", "exact"]

@@ -130,6 +130,31 @@ def check_launcher_world(what: str) -> None:
         )
 
 
+def check_member(group: Group, what: str) -> None:
+    """Refuse a process group this process is not in (``new_group(ranks)`` returns a marker on the other ranks).
+
+    Collectives on such a group take no part in it (see :func:`is_distributed`): an accumulator built on one would
+    run alone, or fail inside torch with "Invalid process group specified".
+
+    Args:
+        group: the group given (None: the default group, which every rank is in).
+        what: what is being built, for the message (e.g. ``"MicrobatchAccumulator"``).
+
+    Raises:
+        GradaggError: naming the group and this process's global rank.
+
+    >>> check_member(None, "MicrobatchAccumulator")  # a plain process: no group to be outside of
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_rank(group) < 0:  # torch's answer for a rank outside the group
+        raise GradaggError(
+            f"{what}: global rank {dist.get_rank()} is not in the process group it was given (group={group!r}, what "
+            "torch.distributed.new_group returns on the ranks it leaves out): build it only on the group's ranks, "
+            "with each rank's own group"
+        )
+
+
 def get_rank(group: Group = None) -> int:
     """This process's rank in ``group``; 0 with no process group (or a group of one).
 

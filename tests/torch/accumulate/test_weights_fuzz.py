@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 
 import hypothesis.strategies as st
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given, seed, settings
 
 from gradagg.errors import GradaggError
 from gradagg.torch import MicrobatchAccumulator
@@ -83,3 +84,63 @@ def test_hostile_weights(weights: list[object], dtype: torch.dtype, seed: int) -
     truth = math.fsum(coefs) / want
     assert p.grad is not None
     assert float((p.grad.double() - truth).abs().max()) <= 4 * finfo.eps * abs(truth) + finfo.tiny, (weights, p.grad)
+
+
+# --- weights kept by reference (issue 22): every tensor weight is one reused tensor, updated in place -------------
+
+REUSED_SEED = 2222  # hypothesis's seed for the test below: a failure reproduces with it
+HOLDER_KINDS = ["int", "float", torch.int64, torch.int32, torch.uint8, torch.float16, torch.bfloat16, torch.float32,
+                torch.float64]
+DRAWS = st.lists(st.tuples(st.integers(0, 200) | st.floats(0, 200), st.sampled_from(HOLDER_KINDS)),
+                 min_size=1, max_size=5)
+
+
+def _given(value: float, kind: object, holders: dict[object, torch.Tensor]) -> object:
+    """``value`` as the caller passes it: a Python number, or written into the one tensor of its dtype (``copy_``)."""
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    holder = holders[kind]
+    holder.copy_(torch.tensor(value, dtype=torch.float64))
+    return holder
+
+
+def _value(given: object) -> float:
+    return float(given.double()) if isinstance(given, torch.Tensor) else float(given)  # type: ignore[arg-type]
+
+
+@seed(REUSED_SEED)
+@settings(max_examples=100, deadline=None)
+@given(windows=st.lists(DRAWS, min_size=1, max_size=2))
+def test_reused_weight_tensors_count_their_value_when_given(windows: list[list[tuple[float, object]]]) -> None:
+    """One tensor per dtype, reused for every microbatch of every window: written (``copy_``) before each
+    microbatch, changed again inside it (``add_``) and after the window's last one (``fill_``): each microbatch
+    counts the value it was given, D = their exact sum, the gradient sum(c_k) / D within 4 eps relative; or, for a
+    total of 0, the refusal on every rank. Failing this test reproduces with hypothesis's seed REUSED_SEED."""
+    holders = {kind: torch.zeros((), dtype=kind) for kind in HOLDER_KINDS if isinstance(kind, torch.dtype)}
+    p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    for draws in windows:
+        values, coefs = [], []
+        for k, (value, kind) in enumerate(draws):
+            given = _given(value, kind, holders)
+            values.append(_value(given))
+            coefs.append(1.0 + k / 8)
+            with acc.microbatch(weight=given):
+                (p.sum() * coefs[-1]).backward()
+                for holder in holders.values():
+                    holder.add_(7)  # inside the microbatch, after its weight was given: counts nowhere
+        for holder in holders.values():
+            holder.fill_(99)  # after the window's last microbatch, before finish(): counts nowhere
+        want = math.fsum(values)
+        if want == 0:
+            with pytest.raises(GradaggError, match="total weight of the window is 0"):
+                acc.finish()
+            continue
+        ledger = acc.finish()
+        assert ledger.divisor == want, (REUSED_SEED, draws, ledger.divisor, want)
+        truth = math.fsum(coefs) / want
+        assert p.grad is not None
+        assert float((p.grad - truth).abs().max()) <= 4 * 2**-52 * truth, (REUSED_SEED, draws, p.grad, truth)
+        p.grad = None

@@ -44,6 +44,21 @@ def test_tensor_weights_and_the_ledger_before_finish() -> None:
     assert w.max_error(w.grads_of(model), tw.token_truth(data)) <= TOL
 
 
+def test_a_reused_weight_tensor_counts_its_value_when_given() -> None:
+    """One preallocated count updated in place between microbatches (``w.copy_(n)``): each microbatch counts the
+    value it was given, 1 then 3 (D = 4, gradient (1 + 3) / 4 = 1); keeping the tensor counted 3 twice (D = 6)."""
+    p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    count = torch.zeros((), dtype=torch.int64)
+    for n in (1, 3):
+        count.copy_(torch.tensor(n))
+        with acc.microbatch(weight=count):
+            (p.sum() * n).backward()
+    count.fill_(100)  # after the window's last microbatch, before finish(): counts nowhere
+    assert acc.finish().divisor == 4
+    assert p.grad is not None and torch.equal(p.grad, torch.ones(2, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("bad", [True, "3", torch.ones(2), torch.tensor(1j), [1]])
 def test_weight_of_the_wrong_type_is_refused_at_once(bad: object) -> None:
     """A bool, a string, a 1-d or complex tensor, a list: GradaggError before anything runs."""

@@ -34,7 +34,7 @@ def finish(state: State) -> Ledger:
     _prepare(state)
     counts = _exchange(state)
     if state.ddp is not None:  # every rank exchanged, whatever its count: the next window starts with rank 0's
-        state.ddp.sync_buffers()
+        state.ddp.sync_buffers(state.window)
     _raise_if_any_failed(state, counts)
     m = sum(counts.per_rank)
     if m == 0:
@@ -46,6 +46,8 @@ def finish(state: State) -> Ledger:
     if divisor != 1 and w.flat is not None:
         state.layout().divide(w.flat, w.out, divisor)
     _install(state, counts, divisor)
+    if state.ddp is not None and state.ddp.local:  # DDP's parameters_to_ignore: this rank's sum over its own count
+        state.ddp.divide_local(w.local_divisor())
     if state.fsdp is not None:
         state.fsdp.reshard()
     ledger = local_ledger(state, counts, divisor, mode)
@@ -66,6 +68,8 @@ def discard(state: State) -> None:
         t.grad = None
     if state.fsdp is not None and state.window.open:
         state.fsdp.reshard()
+    if state.ddp is not None:
+        state.ddp.drop_local()
     state.padding = False
     state.new_window()
 
@@ -207,6 +211,8 @@ def local_ledger(
         weight_global=divisor if weighted else None,
         terms_local=w.terms_local,
         terms=w.terms,
+        rank_local=tuple(n for n, _ in state.params.local),
+        rank_local_divisor=w.local_divisor() if counts is not None and state.params.local else None,
     )
 
 

@@ -38,6 +38,9 @@ class Ledger:
         participation_global: the same summed over ranks. Reported, never a divisor.
         terms_local: loss term -> this rank's count, as given to ``divisors()`` (None if not used).
         terms: loss term -> its global divisor, what the user divided that term by.
+        rank_local: parameters kept rank-local, not reduced (DDP's ``parameters_to_ignore``): each rank's own sum.
+        rank_local_divisor: what they were divided by, this rank's own count (None before finish, or where this
+            rank counted nothing: their gradient is then None).
 
     >>> Ledger(rank=0, world_size=1, microbatches_local=2, microbatches_global=2, microbatches_per_rank=(2,),
     ...        divisor=2, participation_local={"w": 1}, participation_global={"w": 1}).divisor
@@ -58,6 +61,8 @@ class Ledger:
     weight_global: float | None = None
     terms_local: dict[str, float] | None = None
     terms: dict[str, float] | None = field(default=None)
+    rank_local: tuple[str, ...] = ()
+    rank_local_divisor: float | None = None
 
     def report(self) -> str:
         """A readable table of the window: M, the divisor and what it counted, participation per parameter.
@@ -73,6 +78,10 @@ class Ledger:
             g = "-" if self.participation_global is None else str(self.participation_global[name])
             lines.append(f"{name:<{width}}  {local:>6}  {g:>6}")
         lines.append("participation = microbatches in which the parameter got a gradient; reported, never a divisor")
+        if self.rank_local:
+            d = "-" if self.rank_local_divisor is None else _num(self.rank_local_divisor)
+            lines.append(f"rank-local, not reduced (DDP's parameters_to_ignore), divided by this rank's own count {d}: "
+                         f"{', '.join(self.rank_local)}")
         return "\n".join(lines)
 
     def _counts_line(self) -> str:

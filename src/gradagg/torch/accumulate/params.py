@@ -25,6 +25,8 @@ class Params:
         ddp: the DDP wrapper, if the source was one.
         frozen: parameters seen without ``requires_grad`` (a tensor source), to notice one unfrozen later.
         unnamed: indices of the parameters given as bare tensors (named ``param[k]`` by their position).
+        local: trainable parameters in DDP's ``parameters_to_ignore``: DDP keeps them rank-local, so they are not
+            accumulated (see :mod:`.ddp`).
     """
 
     names: list[str]
@@ -33,6 +35,7 @@ class Params:
     ddp: DistributedDataParallel | None = None
     frozen: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     unnamed: set[int] = field(default_factory=set)
+    local: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def collect(cls, source: ParamSource) -> Params:
@@ -45,6 +48,7 @@ class Params:
         module = ddp.module if ddp is not None else (source if isinstance(source, torch.nn.Module) else None)
         items: Iterable[object] = module.named_parameters() if module is not None else source  # type: ignore[assignment]
         out = cls([], [], module, ddp)
+        ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))  # DDP's own: rank-local, never reduced
         seen: set[int] = set()
         for k, item in enumerate(items):
             name, t = (f"param[{k}]", item) if isinstance(item, torch.Tensor) else _pair(item)
@@ -54,7 +58,9 @@ class Params:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            if t.requires_grad:
+            if t.requires_grad and name in ignored:
+                out.local.append((name, t))
+            elif t.requires_grad:
                 if isinstance(item, torch.Tensor):
                     out.unnamed.add(len(out.tensors))
                 out.names.append(name)
@@ -82,7 +88,8 @@ class Params:
         if self.module is None:
             return None
         by_name = {self.names[i] for i in self.sharded}
-        now = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        local = {n for n, _ in self.local}
+        now = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and n not in local]
         mine = dict(zip(self.names, self.tensors))
         for n, p in now:
             if n not in mine or (n not in by_name and mine[n] is not p):

@@ -17,14 +17,21 @@ import torch
 
 from gradagg.errors import GradaggError
 from gradagg.options import NonFinite
-from gradagg.torch.accumulate.ddp import DdpHold
+from gradagg.torch.accumulate.ddp import DdpHold, ddp_group
 from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
 from gradagg.torch.accumulate.fsdp import FsdpParams, Mode, check_mode
 from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params, ParamSource
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
-from gradagg.torch.collectives import Group, check_launcher_world, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import (
+    Group,
+    check_launcher_world,
+    check_member,
+    device_for,
+    get_rank,
+    get_world_size,
+)
 
 _BYTES_PER_MB = 2**20
 Pad = Callable[[], torch.Tensor] | Literal["replay"] | None  # see gradagg.torch.accumulate.padding
@@ -36,7 +43,7 @@ class State:
 
     Attributes:
         params: the accumulated parameters (under FSDP2 the sharded DTensors the optimizer holds).
-        group: the process group (None: the default one, or no communication without one).
+        group: the process group (None: the default one, or no communication without one); under DDP, DDP's.
         nonfinite: ``"propagate"`` or ``"raise"``.
         bucket_mb: the size of a gradient bucket.
         fsdp: the FSDP2 side, if any parameter is a DTensor.
@@ -122,14 +129,18 @@ def build(
     """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.opening.install`).
 
     Raises:
-        GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; ``bucket_mb`` not a positive
+        GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; a ``group`` this process is not
+            in; a DDP module whose ``process_group`` holds other ranks than ``group``; ``bucket_mb`` not a positive
             number; an invalid ``fsdp`` or ``pad``; DTensors without their module; a parameter on the meta device;
             the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
     """
     check_launcher_world("MicrobatchAccumulator")
+    check_member(group, "MicrobatchAccumulator")
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     params = Params.collect(source)
+    if params.ddp is not None:
+        group = ddp_group(params.ddp, group)  # DDP's own group, or a refusal of another one
     meta = next((n for n, t in zip(params.names, params.tensors) if t.is_meta), None)
     if meta is not None:
         raise GradaggError(
@@ -140,7 +151,7 @@ def build(
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
     fsdp_side = _fsdp_side(params, fsdp, group)
     # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
-    ddp = DdpHold(params.ddp, group) if params.ddp is not None else None
+    ddp = DdpHold(params.ddp, group, params.local) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
     state.pad = pad
     return state

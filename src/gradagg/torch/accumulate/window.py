@@ -15,6 +15,7 @@ import torch
 
 from gradagg.errors import GradaggError
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, UNWEIGHTED, WEIGHTED
+from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
@@ -38,16 +39,25 @@ Weight = float | torch.Tensor
 
 
 def check_weight(weight: object) -> Weight:
-    """A microbatch weight as given: a real number or 0-dim real tensor (its value is checked later, on every rank).
+    """A microbatch weight, its value taken now: a real number, or a copy of a 0-dim real tensor.
+
+    A tensor is copied on its device (no host sync): a count the caller keeps in one tensor and updates in place
+    for the next microbatch (``w.copy_(n)``) still counts the value it had here. A DTensor counts its global value
+    when every rank holds it whole (``Replicate`` placements: its local tensor); a ``Partial`` one has no value here
+    without a collective that ranks with other microbatch counts would not all run, and is refused.
 
     A value that cannot count (negative, NaN, infinite, beyond float64, a tensor on the meta device, which has
     no value) is not refused here: :func:`weight_problem` names it and ``finish()`` refuses on every rank.
 
     Raises:
-        GradaggError: a bool, a string, a complex number, a tensor with more than one element, ...
+        GradaggError: a bool, a string, a complex number, a tensor with more than one element, a DTensor that is
+            not replicated, ...
 
     >>> check_weight(12)
     12.0
+    >>> count = torch.tensor(3)
+    >>> taken = check_weight(count); _ = count.fill_(5); int(taken)
+    3
     >>> check_weight(True)
     Traceback (most recent call last):
     ...
@@ -58,7 +68,7 @@ def check_weight(weight: object) -> Weight:
             raise GradaggError(
                 f"a microbatch weight tensor must be 0-dim and real, got shape {tuple(weight.shape)} {weight.dtype}"
             )
-        return weight.detach()
+        return _local_value(weight).detach().clone()
     if isinstance(weight, bool) or not isinstance(weight, Real):
         raise GradaggError(
             f"a microbatch weight must be a real number or a 0-dim tensor, got {type(weight).__name__} {weight!r}"
@@ -67,6 +77,20 @@ def check_weight(weight: object) -> Weight:
         return float(weight)
     except OverflowError:  # an int (or Fraction) beyond float64: refused on every rank by weight_problem
         return math.inf if cast(float, weight) > 0 else -math.inf
+
+
+def _local_value(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding ``weight``'s global value: a replicated DTensor's local copy (``to_local()``, public)."""
+    if not is_dtensor(weight):
+        return weight
+    placements = tuple(weight.placements)  # type: ignore[attr-defined]
+    if not all(p.is_replicate() for p in placements):
+        raise GradaggError(
+            f"a microbatch weight is a DTensor with placements {placements}: only a replicated one holds its global "
+            "value on every rank; pass a plain tensor or number (e.g. weight.full_tensor(), called on every rank at "
+            "the same point), or a DTensor with Replicate() placements"
+        )
+    return cast(torch.Tensor, weight.to_local())  # type: ignore[attr-defined]
 
 
 def weight_values(weights: list[Weight]) -> list[float]:
@@ -165,6 +189,15 @@ class Window:
             )
         elif self.mode == NONE:
             self.mode = mode
+
+    def local_divisor(self) -> float | None:
+        """This rank's own D, for the parameters kept rank-local (DDP's ``parameters_to_ignore``, see
+        :mod:`.ddp`): its M, its total weight, or 1 for loss terms divided ahead (by their global totals); None where
+        it counted nothing (no microbatch, or a total weight of 0)."""
+        if self.mode == DIVIDED:
+            return 1.0
+        total = weight_sum(weight_values(self.weights)) if self.mode == WEIGHTED else float(self.m)
+        return total if total > 0 else None
 
     def complete(self, weight: Weight | None) -> None:
         """A microbatch ended without raising: count it, its weight and its participation."""
