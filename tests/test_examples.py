@@ -81,3 +81,18 @@ def test_accelerate_example_prints_one_whole_line_per_rank_message_on_a_terminal
     assert sorted((m[1], m[2]) for m in map(step.fullmatch, lines) if m) == [
         ("0", "3"), ("0", "9"), ("1", "3"), ("1", "9"), ("2", "3"), ("2", "9")], text
     assert all(float(m[3]) < 1e-5 for m in map(step.fullmatch, lines) if m), text  # float32 vs float64 round-off
+
+
+def test_torchtitan_example_says_what_it_needs_before_it_starts_where_it_cannot_run() -> None:
+    """Without CUDA or triton (torchtitan's GPU stack), one line on stderr naming what is missing, exit 2."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        pytest.skip("this machine has CUDA and triton: the example would start training")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "torchtitan_exact.py")], capture_output=True, text=True,
+                          timeout=120, cwd=EXAMPLES.parent)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("torchtitan_exact.py: needs "), proc.stderr
+    assert "tests/integrations/test_torchtitan.py" in proc.stderr, proc.stderr
