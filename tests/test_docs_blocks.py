@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,12 @@ def test_prints_blocks_follow_the_script_they_show() -> None:
         same = blocks(block.path)
         i = next(k for k, b in enumerate(same) if b.line == block.line)
         assert i > 0 and same[i - 1].kind == "script", f"{block.where}: a 'prints' block after no script block"
+
+
+def test_the_readmes_relative_links_point_to_files_that_exist() -> None:
+    """mkdocs build --strict checks the site's links; the README is outside it, so its links are checked here."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
+    assert len(links) > 10, links
+    missing = [t for t in links if not (ROOT / t.split("#")[0]).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
