@@ -112,7 +112,12 @@ def test_fragments_say_what_they_need_compile_and_import(block: Block) -> None:
         if word.startswith(("examples/", "tests/", "bench/")):
             assert (ROOT / word.split("::")[0]).exists(), f"{block.where}: names {word}, which does not exist"
     imports = gradagg_imports(block.text)
-    exec(compile(imports, block.where, "exec"), {})  # in this process: each module is imported once for all blocks
+    try:
+        exec(compile(imports, block.where, "exec"), {})  # in this process: each module is imported once for all blocks
+    except ModuleNotFoundError as exc:  # a framework this install lacks (gradagg's own modules must import)
+        if (exc.name or "gradagg").split(".")[0] == "gradagg":
+            raise
+        pytest.skip(f"{block.where} imports a module that needs {exc.name}, which is not installed")
 
 
 @pytest.mark.parametrize("block", _of("not run"), ids=_ids(_of("not run")))
