@@ -6,8 +6,8 @@ Every block is one of these, and nothing else passes:
 - ``python`` whose first line is ``# fragment: <what it needs>``: compiled, and its ``gradagg`` imports run.
 - any other ``python``: saved as a file and run with ``python``; its output must equal the block that follows when
   that one is ````` ```text title="prints" `````, else the ``# comment`` after a final ``print(...)``, if any.
-- ``console``: each ``$ command`` runs in bash at the repository's root (stdout and stderr together, as on a
-  terminal) and must print the lines below it (``...`` matches anything).
+- ``console``: each ``$ command`` runs in bash in a folder holding the repository's ``examples/`` (stdout and
+  stderr together, as on a terminal) and must print the lines below it (``...`` matches anything).
 - ``text``: a ``title="prints"`` output (checked with the block before it).
 - a ``console`` or ``text`` block right after ``<!-- not run: REASON -->`` is not run; one after
   ``<!-- run by: tests/FILE.py::test_name -->`` is run by that test, which must exist.

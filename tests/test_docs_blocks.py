@@ -90,13 +90,15 @@ def test_doctest_blocks(block: Block) -> None:
 
 
 @pytest.mark.parametrize("block", _of("console"), ids=_ids(_of("console")))
-def test_console_blocks_print_what_they_show(block: Block) -> None:
-    """Each ``$`` command, run at the repository's root, prints the lines shown under it (``...``: anything)."""
+def test_console_blocks_print_what_they_show(block: Block, tmp_path: Path) -> None:
+    """Each ``$`` command prints the lines shown under it (``...``: anything). It runs in a folder of its own that
+    holds the repository's ``examples/`` (a link), so what a command writes never lands in the repository."""
     steps = console_steps(block.text)
     assert steps, f"{block.where}: a console block with no '$ ' command"
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
     for cmd, expected in steps:
         proc = subprocess.run(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=300, cwd=ROOT, env=_env())
+                              timeout=300, cwd=tmp_path, env=_env())
         assert CHECKER.check_output(expected, proc.stdout, FLAGS), (
             f"{block.where}: $ {cmd}\nexpected:\n{expected}\ngot (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
 
