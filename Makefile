@@ -1,18 +1,25 @@
-# The two commands a newcomer needs: `make demo` and `make test`.
-# Both create .venv on first use and install from this repository's own files.
+# The commands a newcomer needs: `make demo`, `make check` (a quick check of the install) and `make test`;
+# `make docs` builds the documentation site. Each creates .venv on first use and installs from this repository's
+# own files.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DEV_STAMP := $(VENV)/.dev-installed
 BENCH_STAMP := $(VENV)/.bench-installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo test lint typecheck bench bench-deps clean
+.PHONY: demo check test docs lint typecheck bench bench-deps clean
 
 $(DEV_STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# requirements-dev.txt as constraints: the docs' packages never move a pinned development package.
+$(DOCS_STAMP): $(DEV_STAMP) requirements-docs.txt
+	$(PY) -m pip install -q -r requirements-docs.txt -c requirements-dev.txt
 	touch $@
 
 $(BENCH_STAMP): $(DEV_STAMP) requirements-bench.txt
@@ -34,8 +41,22 @@ demo: $(DEV_STAMP)
 	$(VENV)/bin/gradagg parity examples/parity/mistake_mean_of_rank_means.py > out/parity_mistake.json; \
 	  test $$? -eq 1 && echo "parity: the mistake was caught (exit 1, see out/parity_mistake.json)"
 
+# A quick check of an install (under 2 minutes on 2 cores once .venv exists): the README's code blocks as pasted,
+# every contract check, and one 2-rank training world against the full batch (it exits 1 if it misses).
+check: $(DEV_STAMP)
+	@echo "== the README's code blocks (tests/test_docs_blocks.py)"
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs_blocks.py -k README.md
+	@echo "== every contract check"
+	$(VENV)/bin/gradagg verify > /dev/null && echo "verify: all checks passed"
+	@echo "== 2 local gloo ranks, uneven microbatches and tokens, against the one-process full batch"
+	GLOO_SOCKET_IFNAME=lo $(PY) examples/token_weighted.py
+
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
+
+# The documentation site, into site/: warnings (a broken link or API reference) fail the build.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests bench examples
@@ -52,4 +73,4 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/bench_training.py
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) out site .pytest_cache .mypy_cache .ruff_cache

@@ -48,6 +48,18 @@ def truth(start: nn.Module, consumed: list[int]) -> list[torch.Tensor]:
     return [p.grad for p in m.parameters()]
 
 
+def say(line: str) -> None:
+    """Rank 0 prints every rank's line, whole and in rank order: ranks printing to one terminal at once would
+    run their lines into each other."""
+    if not dist.is_initialized():
+        print(line, flush=True)
+        return
+    every: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(every, line)
+    if dist.get_rank() == 0:
+        print("\n".join(every), flush=True)
+
+
 def gathered(mine: list[int]) -> list[int]:
     if not dist.is_initialized():
         return mine
@@ -75,8 +87,8 @@ def main() -> None:
                 accelerator.clip_grad_norm_(model.parameters(), 10.0)
                 want = truth(start, gathered(consumed))
                 err = max(float((p.grad - w).abs().max()) for p, w in zip(plain.parameters(), want, strict=True))
-                print(f"rank {accelerator.process_index}: step of {acc.ledger.microbatches_global} microbatches, "
-                      f"D = {acc.ledger.divisor:g} tokens, max error vs the full batch {err:.1e}", flush=True)
+                say(f"rank {accelerator.process_index}: step of {acc.ledger.microbatches_global} microbatches, "
+                    f"D = {acc.ledger.divisor:g} tokens, max error vs the full batch {err:.1e}")
                 assert err < TOLERANCE, err
                 start, consumed = None, []
             optimizer.step()

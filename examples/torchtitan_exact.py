@@ -14,23 +14,40 @@ Data parallelism only (FSDP2 or HSDP, either SPMD DTensor backend, activation ch
 
 Run it as torchtitan's own ``train.py`` is run, e.g.
     torchrun --nproc-per-node 8 examples/torchtitan_exact.py --module llama3 --config llama3_debugmodel
-on torchtitan's GPU stack (its models import triton). tests/integrations/test_torchtitan.py runs
-:func:`exact_train_step` on CPU gloo ranks, with the shims of tests/integrations/workers/titan_model.py.
+on torchtitan's GPU stack: CUDA GPUs, torchtitan and triton (its models import triton). Run as a script where one
+of these is missing, it says which in one line on stderr before importing torchtitan, and exits 2.
+tests/integrations/test_torchtitan.py runs :func:`exact_train_step` on CPU gloo ranks, with the shims of
+tests/integrations/workers/titan_model.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterable, Iterator
 from functools import partial
 
 import torch
-from torchtitan.components.dataloader import DataloaderExhaustedError
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.trainer import Trainer
 
-from gradagg.errors import GradaggError, WindowError
-from gradagg.torch import Ledger, MicrobatchAccumulator
+
+def missing_gpu_stack() -> list[str]:
+    """What torchtitan's trainer needs here and does not find: CUDA, torchtitan, triton."""
+    missing = [] if torch.cuda.is_available() else ["a CUDA GPU"]
+    return missing + [name for name in ("torchtitan", "triton") if importlib.util.find_spec(name) is None]
+
+
+if __name__ == "__main__" and missing_gpu_stack():  # before torchtitan's imports, which fail without triton
+    print(f"torchtitan_exact.py: needs torchtitan's GPU stack, and this machine lacks {', '.join(missing_gpu_stack())}"
+          " (on a CPU, tests/integrations/test_torchtitan.py runs this step with CPU shims)", file=sys.stderr)
+    sys.exit(2)
+
+from torchtitan.components.dataloader import DataloaderExhaustedError  # noqa: E402
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.distributed import utils as dist_utils  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from gradagg.errors import GradaggError, WindowError  # noqa: E402
+from gradagg.torch import Ledger, MicrobatchAccumulator  # noqa: E402
 
 Microbatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 

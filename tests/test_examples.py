@@ -1,9 +1,13 @@
-"""The examples in examples/ do what the README says: the runnable script, and each data file's result."""
+"""The examples in examples/ do what the docs say: the runnable scripts, and each data file's result.
+
+The README's and the docs' own code blocks: tests/test_docs_blocks.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import pty
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -41,16 +45,54 @@ def test_data_examples_give_their_result(cli: Callable[..., Any], contract: str,
     assert json.loads(cli(contract, str(EXAMPLES / name)).ok()) == expected
 
 
-def test_the_readme_run_world_block_runs_when_pasted_into_a_file(tmp_path: Path) -> None:
-    """The README's first training block, saved as a file and run with ``python``, prints what its comment says."""
-    pytest.importorskip("torch")
-    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
-    blocks = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:]]
-    block = next(b for b in blocks if "from gradagg.testing import run_world" in b)
-    expected = block.rsplit("# ", 1)[1].strip()
-    (tmp_path / "pasted.py").write_text(block)
-    env = {**os.environ, "PYTHONPATH": str(Path(gradagg.__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "pasted.py"], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected
+def _on_a_terminal(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` with stdout and stderr on a pseudo-terminal (line-buffered, as a user sees it): (status, text)."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL, cwd=EXAMPLES.parent,
+                            env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return proc.wait(timeout=timeout), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")
+def test_accelerate_example_prints_one_whole_line_per_rank_message_on_a_terminal() -> None:
+    """3 ranks on one terminal: each step's message of each rank is a line of its own, never run into another's."""
+    pytest.importorskip("accelerate")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(gradagg.__file__).resolve().parents[1])}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "3", "examples/accelerate_exact.py"]
+    status, text = _on_a_terminal(cmd, env, timeout=300)
+    assert status == 0, text[-3000:]
+    step = re.compile(r"rank (\d): step of (\d+) microbatches, D = \S+ tokens, max error vs the full batch (\S+)")
+    lines = [line for line in text.splitlines() if "step of" in line]
+    assert all(step.fullmatch(line) for line in lines), text
+    assert sorted((m[1], m[2]) for m in map(step.fullmatch, lines) if m) == [
+        ("0", "3"), ("0", "9"), ("1", "3"), ("1", "9"), ("2", "3"), ("2", "9")], text
+    assert all(float(m[3]) < 1e-5 for m in map(step.fullmatch, lines) if m), text  # float32 vs float64 round-off
+
+
+def test_torchtitan_example_says_what_it_needs_before_it_starts_where_it_cannot_run() -> None:
+    """Without CUDA or triton (torchtitan's GPU stack), one line on stderr naming what is missing, exit 2."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        pytest.skip("this machine has CUDA and triton: the example would start training")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "torchtitan_exact.py")], capture_output=True, text=True,
+                          timeout=120, cwd=EXAMPLES.parent)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("torchtitan_exact.py: needs "), proc.stderr
+    assert "tests/integrations/test_torchtitan.py" in proc.stderr, proc.stderr

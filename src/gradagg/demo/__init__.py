@@ -107,7 +107,7 @@ def plot_available() -> bool:
 
 def _plot(path: str, outcome: results.Outcome, counts: tuple[int, ...], plotting: bool) -> None:
     if not plotting:
-        print("plot: skipped: matplotlib is not installed (pip install 'gradagg[plot]')")
+        print("plot: skipped: matplotlib is not installed (pip install matplotlib)")
         return
     from gradagg.demo.plot import write_plot
 

@@ -1,4 +1,4 @@
-"""The demo's figure: per case, the held-out loss curves (left) and the gradient errors (right), one PNG."""
+"""The demo's figure: per case, the held-out loss curves, the close ones' differences, the gradient errors; one PNG."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ ZERO_ON_LOG = 1e-18  # an exact 0 has no place on a log axis: drawn here, below 
 # counts) stays visible instead of hiding under it.
 GRADAGG_STYLE = {"color": "0.25", "linewidth": 5.0, "alpha": 0.45, "zorder": 1}
 MARKERS = "os^vDP*X"
+# A loss curve within 25% of gradagg's at every step lies on or near it at the loss panel's log scale (the token
+# mistakes train a differently weighted objective, 0.2% off in loss): those are drawn again in a middle panel, as
+# their difference from gradagg's loss, where they come apart.
+CLOSE = 0.25
 
 
 def write_plot(path: str, outcome: Outcome, counts: tuple[int, ...]) -> None:
@@ -24,20 +28,36 @@ def write_plot(path: str, outcome: Outcome, counts: tuple[int, ...]) -> None:
         outcome: rank 0's outcome.
         counts: microbatches per rank, for the title.
     """
+    from gradagg.rows.formats.atomic import atomic_path
+
+    fig = figure(outcome, counts)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)  # the temporary name has no .png: say the format
+
+
+def figure(outcome: Outcome, counts: tuple[int, ...]) -> Any:
+    """The figure, on matplotlib's Agg canvas: per case, the loss curves, the differences of those close to
+    gradagg's (middle), the gradient errors (right).
+
+    Args:
+        outcome: rank 0's outcome.
+        counts: microbatches per rank, for the title.
+
+    Returns:
+        A ``matplotlib.figure.Figure`` (no pyplot: no global state).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from gradagg.rows.formats.atomic import atomic_path
-
     rows = len(outcome.cases)
-    fig = Figure(figsize=(11, 4.2 * rows), layout="constrained")
+    fig = Figure(figsize=(16, 4.2 * rows), layout="constrained")
     FigureCanvasAgg(fig)  # the Agg canvas, without pyplot's global state
-    axes = fig.subplots(rows, 2, squeeze=False)
-    for (loss_ax, err_ax), case in zip(axes, outcome.cases):
+    axes = fig.subplots(rows, 3, squeeze=False)
+    for (loss_ax, diff_ax, err_ax), case in zip(axes, outcome.cases):
         _draw_case(loss_ax, err_ax, case)
+        _draw_differences(diff_ax, case, _close_to_gradagg(case))
     fig.suptitle(title(outcome, counts))
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)  # the temporary name has no .png: say the format
+    return fig
 
 
 def title(outcome: Outcome, counts: tuple[int, ...]) -> str:
@@ -54,12 +74,9 @@ def _draw_case(loss_ax: Any, err_ax: Any, case: CaseResult) -> None:
     from matplotlib.ticker import MaxNLocator
 
     steps = [r.step for r in case.records]
-    for k, a in enumerate(case.approaches):
-        style: dict[str, Any] = GRADAGG_STYLE if a.name == GRADAGG else {
-            "linestyle": "--", "linewidth": 1.2, "marker": MARKERS[(k - 1) % len(MARKERS)], "markersize": 4,
-            "zorder": 2 + k}
-        losses = [r.loss[a.name] for r in case.records] + [case.final_loss[a.name]]  # before each step, then after
-        loss_ax.plot([*steps, len(steps)], losses, label=a.name, **style)
+    for a in case.approaches:
+        style = _style(case, a.name)
+        loss_ax.plot([*steps, len(steps)], _losses(case, a.name), label=a.name, **style)
         err_ax.plot(steps, [max(r.error[a.name], ZERO_ON_LOG) for r in case.records], label=a.name, **style)
     err_ax.axhline(results.TOLERANCE, color="grey", linewidth=1, linestyle=":",
                    label=f"tolerance {results.TOLERANCE:.0e}")
@@ -71,3 +88,50 @@ def _draw_case(loss_ax: Any, err_ax: Any, case: CaseResult) -> None:
     for ax in (loss_ax, err_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8, loc="best")
+
+
+def _style(case: CaseResult, name: str) -> dict[str, Any]:
+    """gradagg's wide pale line, or a dashed line with a marker of its own for a wrong approach."""
+    if name == GRADAGG:
+        return GRADAGG_STYLE
+    k = [a.name for a in case.approaches].index(name)
+    return {"linestyle": "--", "linewidth": 1.2, "marker": MARKERS[(k - 1) % len(MARKERS)], "markersize": 4,
+            "zorder": 2 + k}
+
+
+def _losses(case: CaseResult, name: str) -> list[float]:
+    """Held-out loss before each step, then after the last."""
+    return [r.loss[name] for r in case.records] + [case.final_loss[name]]
+
+
+def _close_to_gradagg(case: CaseResult) -> list[str]:
+    """The wrong approaches whose loss stays within CLOSE (relative) of gradagg's at every step.
+
+    >>> names = ("gradagg", "a", "b")
+    >>> r = CaseResult("tokens", "", [], tuple(results.ApproachInfo(n, n, "") for n in names),
+    ...                [results.StepRecord(0, loss={"gradagg": 2.0, "a": 2.01, "b": 3.0})],
+    ...                {"gradagg": 1.0, "a": 1.001, "b": 1.0}, "")
+    >>> _close_to_gradagg(r)
+    ['a']
+    """
+    ours = _losses(case, GRADAGG)
+    return [a.name for a in case.approaches if a.name != GRADAGG and all(
+        abs(x - y) <= CLOSE * abs(y) for x, y in zip(_losses(case, a.name), ours))]
+
+
+def _draw_differences(ax: Any, case: CaseResult, names: list[str]) -> None:
+    """``names``' held-out losses minus gradagg's, on a linear scale (gradagg's own: the zero line)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ours = _losses(case, GRADAGG)
+    steps = list(range(len(ours)))
+    for name in (GRADAGG, *names):
+        ax.plot(steps, [x - y for x, y in zip(_losses(case, name), ours)], label=name, **_style(case, name))
+    ax.set(title=f"{case.case}: loss minus gradagg's, curves within {CLOSE:.0%} of it", xlabel="step",
+           ylabel="held-out loss - gradagg's")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if names:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, f"no other curve stays within {CLOSE:.0%} of gradagg's", ha="center",
+                transform=ax.transAxes)
