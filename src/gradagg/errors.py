@@ -127,8 +127,10 @@ def last_line(text: str | None) -> str:
     return lines[-1] if lines else "failed"
 
 
-TORCH_HINT = ("pip install 'gradagg[torch]' (on Linux that is a CUDA build of about 2 GB; for the CPU one, first "
-              "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+# gradagg is not on PyPI: the hint installs from a clone (as options.install_hint does for the other extras).
+TORCH_HINT = ("pip install -e '.[torch]' in a clone of gradagg (it is not on PyPI; on Linux that pulls a CUDA build "
+              "of torch of about 2 GB: for the CPU one, first pip install torch --index-url "
+              "https://download.pytorch.org/whl/cpu)")
 
 
 def require_torch(what: str) -> None:

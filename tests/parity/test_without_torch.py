@@ -36,4 +36,4 @@ def test_an_existing_script_without_torch_says_it_needs_torch() -> None:
     proc = _parity_without_torch(str(FIXTURES / "right.py"))
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout)
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "gradagg parity needs torch: pip install 'gradagg[torch]'" in proc.stderr, proc.stderr
+    assert "gradagg parity needs torch: pip install -e '.[torch]' in a clone of gradagg" in proc.stderr, proc.stderr

@@ -29,5 +29,5 @@ def test_missing_torch_names_the_extra_and_the_cpu_build() -> None:
     assert proc.returncode == 0, proc.stderr
     kind, message = proc.stdout.split("\n", 1)
     assert kind == "ImportError", proc.stdout
-    for fragment in ("pip install 'gradagg[torch]'", "CUDA", "https://download.pytorch.org/whl/cpu"):
+    for fragment in ("pip install -e '.[torch]' in a clone of gradagg", "CUDA", "https://download.pytorch.org/whl/cpu"):
         assert fragment in message, (fragment, message)
