@@ -66,7 +66,8 @@ def test_two_live_accumulators_over_one_parameter_are_refused() -> None:
     both (it used to finish with zero gradients while its ledger said the parameters were used)."""
     model = w.TinyMoE()
     first = MicrobatchAccumulator(model)
-    with first.microbatch(), pytest.raises(GradaggError, match=r"accumulator #\d+ .* accumulator #\d+") as info:
+    both = r"accumulator #\d+ \(built at test_lifetime\.py:\d+.*built at test_lifetime\.py:\d+"
+    with first.microbatch(), pytest.raises(GradaggError, match=both) as info:
         MicrobatchAccumulator(model.experts)
     assert "'0.weight'" in str(info.value) and "'experts.0.weight'" in str(info.value)
     first.discard()
@@ -101,34 +102,34 @@ def test_accumulators_dropped_nested_and_several(seed: int) -> None:
             part = models[k] if rng.random() < 0.7 else models[k].experts
             refused = k in live
             try:
-                acc = MicrobatchAccumulator(part)
+                built = MicrobatchAccumulator(part)
             except GradaggError as exc:
                 assert refused, f"{where}: {exc}"
                 continue
             assert not refused, f"{where}: built over a held model"
-            live[k] = acc
+            live[k], built = built, None  # type: ignore[assignment]  # only `live` may hold it: drops are checked
         elif op == "drop" and k in live:
             ref = weakref.ref(live.pop(k).state)
             assert ref() is None, where
         elif op == "close" and k in live:
             live.pop(k).close()
         elif op == "window" and k in live:
-            acc, model = live[k], models[k]
+            model = models[k]
             chosen = rng.sample(batches, rng.randint(1, 3))
             model.zero_grad(set_to_none=True)
             for b in chosen:
-                with acc.microbatch():
+                with live[k].microbatch():
                     w.loss_of(model, b).backward()
-            acc.finish()
-            mine = {n for n, p in model.named_parameters() if any(p is t for t in acc.state.tensors)}
+            live[k].finish()
+            mine = {n for n, p in model.named_parameters() if any(p is t for t in live[k].state.tensors)}
             got = {n: g for n, g in w.grads_of(model).items() if n in mine}
             want = _mean_grads(chosen, mine)
             assert w.max_error(got, want) <= TOL, where
         elif op == "clip":
             models[k].zero_grad(set_to_none=True)
             torch.nn.utils.clip_grad_norm_(models[k].parameters(), 1.0)  # no window open: passes
-    for acc in live.values():
-        acc.close()
+    for left in live.values():
+        left.close()
     gc.collect()
 
 

@@ -7,6 +7,7 @@ the work, passing the state explicitly (see :mod:`gradagg.torch.accumulate` for 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ import torch
 
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch.accumulate import attaching, hooks, opening, padding, terms
+from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, padding, terms
 from gradagg.torch.accumulate import finish as finishing
 from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
@@ -66,7 +67,8 @@ class MicrobatchAccumulator:
 
     Raises:
         GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
-            ``DDP(static_graph=True)``; a parameter on the meta device.
+            ``DDP(static_graph=True)``; a parameter on the meta device; a parameter another live accumulator
+            holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`).
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -89,6 +91,9 @@ class MicrobatchAccumulator:
         pad: Pad = "replay",
     ) -> None:
         self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad)
+        # dropped without close(): released as close() would (nothing the state holds refers back to self)
+        self._release = weakref.finalize(self, lifetime.release, self._state)
+        self._release.atexit = False
         opening.install(self._state)
         opening.open_before_forward(self._state)
         padding.watch_forward(self._state)
@@ -261,22 +266,30 @@ class MicrobatchAccumulator:
 
         Returns:
             A handle (``.remove()`` detaches it; :meth:`close` does too).
+
+        Raises:
+            GradaggError: another optimizer over some of the same parameters is attached already (each window's
+                gradient would be stepped twice: ``remove()`` the first's handle); an Accelerate optimizer with
+                ``gradient_accumulation_steps`` > 1 (``accelerator.backward`` divides the summed loss: use
+                ``gradagg.integrations.accelerate.exact``).
         """
-        return attaching.attach(self._state, optimizer, self.finish)
+        finish = weakref.WeakMethod(self.finish)  # the hooks must not keep the accumulator alive
+
+        def finish_if_alive() -> object:
+            bound = finish()
+            return None if bound is None else bound()
+
+        return attaching.attach(self._state, optimizer, finish_if_alive, divides=not self._undoes_division)
+
+    # Accelerate's accelerator.backward divides by gradient_accumulation_steps; a subclass that sets it to 1 inside
+    # each microbatch (gradagg.integrations.accelerate's) says so here, and attach() then accepts such optimizers.
+    _undoes_division = False
 
     def close(self) -> None:
-        """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable."""
-        st = self._state
-        st.closed = True
-        for _, h in st.hooked.values():
-            h.remove()
-        for h in st.extra_hooks:
-            h.remove()
-        st.hooked, st.extra_hooks = {}, []
-        if st.ddp is not None:
-            st.ddp.release()
-        if st.fsdp is not None:
-            st.fsdp.restore()
+        """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable.
+
+        An accumulator dropped without ``close()`` is closed when its last reference goes (see :mod:`.lifetime`)."""
+        self._release()
 
     @property
     def ledger(self) -> Ledger:

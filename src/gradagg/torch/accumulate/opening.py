@@ -53,7 +53,7 @@ def install(state: State) -> None:
     """Hook every parameter: plain ones take their gradient into the buffer (:func:`taken`: not a padding
     microbatch's); under the shards form, FSDP hands its reduced shards to the sharded ones; register the
     accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
-    state.extra_hooks.append(guard.register(state))
+    state.extra_hooks.append(guard.register(state, check_layout))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:
             hooks.hook(state, t, i, taken)
