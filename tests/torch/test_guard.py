@@ -161,7 +161,8 @@ def test_random_programs(seed: int) -> None:
 def test_two_ranks() -> None:
     """Windows of counts [2, 0] then [0, 3]: attached, the clip finishes on both ranks and the steps equal the
     twin's clipped ones; not attached, every clip and step before finish() raises on both ranks, the rank with
-    no microbatch included, and a step after the window's step (nothing held anywhere) passes; torchtitan's clip raises on both; the originals are back at the end."""
+    no microbatch included, and a step after the window's step (nothing held anywhere) passes; torchtitan's
+    clip raises on both; the originals are back at the end."""
     for r in run_local_world(clips.guard_world, 2, **WORLD):
         assert r["attached"]["error"] <= TOL and r["attached"]["norm_error"] <= TOL
         na = r["not_attached"]

@@ -3,7 +3,7 @@
 During a window every counted gradient sits in the accumulator's buffer and ``.grad`` is None (see
 :mod:`gradagg.torch.accumulate.hooks`). A gradient clip or an optimizer step that runs before ``finish()``
 would see nothing: the clip clips nothing, the step skips every parameter, silently. This module keeps
-that from happening, with one rule that every rank evaluates the same way without communicating.
+that from happening, with one rule that every rank evaluates the same way.
 
 **Held.** An accumulator's gradients are *held* while a window is open on any rank of its group: counted
 gradients sit in its buffer and ``.grad`` is None. A rank whose own window is not open (it ran no microbatch
@@ -11,11 +11,11 @@ yet) cannot see that alone, so a clip or step over an accumulator's parameters i
 them, with one small ``all_gather`` (:func:`agree`): each rank sends the accumulator's identity (see
 :mod:`gradagg.torch.accumulate.lifetime`), whether its window is open and whether it is inside a microbatch. Every
 rank gets the same answer and decides alike; ranks that name different accumulators all refuse. Clips and steps
-run on every rank in data-parallel training (as the collectives of ``finish()`` do). In one process (no group,
-or a group of one) nothing needs agreeing: the window open is what is held.
-
-An earlier rule inferred "held" without communicating, from each optimizer's last step: it missed every loop
-where no step marks the window's end (weights updated by hand, a ``discard()``, an optimizer re-created).
+run on every rank in data-parallel training (as the collectives of ``finish()`` do); one called on some ranks
+only fails with :class:`~gradagg.errors.CollectiveError` at the collective timeout. In one process (no group, or
+a group of one) nothing needs agreeing: the window open is what is held. (Inferring "held" without asking, from
+each optimizer's last step, missed every loop where no step marks a window's end: weights updated by hand, a
+``discard()``, an optimizer re-created.)
 
 **Made right or refused, on every rank.**
 
@@ -36,10 +36,11 @@ where no step marks the window's end (weights updated by hand, a ``discard()``, 
 ``close()`` or when it is garbage-collected), the four functions above are replaced in ``torch.nn.utils``
 (and ``torch.nn.utils.clip_grad``) by wrappers that check, then call the original; and a global optimizer
 step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) checks each
-optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of ``torch.nn.utils`` when they call them
-(HF Trainer through Accelerate, Lightning's precision plugins, torchtitan's ``dist_utils``), so they meet
-the wrappers; code that imported a function by name before the first accumulator was built does not.
-The originals are put back when the last accumulator goes (unless someone replaced them meanwhile).
+optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of
+``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
+torchtitan's ``dist_utils``), so they meet the wrappers; code that imported a function by name before the
+first accumulator was built does not. The originals are put back when the last accumulator goes (unless
+someone replaced them meanwhile).
 """
 
 from __future__ import annotations
@@ -69,12 +70,10 @@ class Entry:
         state: the accumulator's state (weakly: the guard never keeps an accumulator alive).
         attached: the optimizers (wrappers and inner ones) ``attach`` hooked, with the finish to run.
         leaves: those whose step touches the gradients (torch optimizers), for :func:`refuse_second`.
-        first: the accumulator's first collective (its layout check), which :func:`agree` runs first if not yet done.
         marks: attached leaf -> ``state.finished`` at its last step (or at ``attach``), see :func:`due`.
     """
 
     state: weakref.ReferenceType[State]
-    first: Callable[[State], None]
     attached: weakref.WeakKeyDictionary[Any, Finish] = field(default_factory=weakref.WeakKeyDictionary)
     leaves: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     marks: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
@@ -93,15 +92,10 @@ class Registration:
         _forget(self.key)
 
 
-def register(state: State, first: Callable[[State], None]) -> Registration:
-    """Guard ``state``'s held gradients from now on (see the module docstring).
-
-    Args:
-        state: the accumulator.
-        first: its layout check, every rank's first collective of it (run when ``state.layout_checked`` is False).
-    """
+def register(state: State) -> Registration:
+    """Guard ``state``'s held gradients from now on (see the module docstring)."""
     key = id(state)
-    _entries[key] = Entry(weakref.ref(state, lambda _ref: _forget(key)), first)
+    _entries[key] = Entry(weakref.ref(state, lambda _ref: _forget(key)))
     _patching.install()
     return Registration(key)
 
@@ -173,8 +167,6 @@ def agree(state: State, what: str) -> bool:
         CollectiveError: the collective failed or timed out (a rank that did not clip or step).
     """
     w = state.window
-    if not state.layout_checked:  # a rank with a microbatch ran it as it opened; this one runs it now, to match
-        entry_of(state).first(state)
     if get_world_size(state.group) == 1:
         rows = [[*state.identity, float(w.open), float(w.in_microbatch)]]
     else:

@@ -185,3 +185,22 @@ def test_a_second_attached_optimizer_is_refused(world: list[dict[str, Any]]) -> 
         s = r["second_attach"]
         assert s["attach"] is not None and s["attach"][0] == "GradaggError" and "already attached" in s["attach"][1]
         assert s["error"] <= TOL
+
+
+def test_finish_orders_fuzz() -> None:
+    """Class test of the reordered finish: three accumulators of one layout, four windows, uneven counts, finish
+    orders drawn per rank (seeded). A finish at a position where both ranks finish the same accumulator is exact;
+    one where they differ refuses on both ranks, naming the other order."""
+    seeds = list(range(4))
+    print(f"seeds {seeds}")
+    ranks = run_local_world(lifetime.orders_fuzz, 2, seeds, **WORLD)
+    assert len(ranks[0]) == len(ranks[1]) == 4 * 4 * 3
+    assert {r["same"] for r in ranks[0]} == {True, False}  # both kinds drawn
+    for r0, r1 in zip(*ranks):
+        where = (r0["seed"], r0["window"], r0["pos"])
+        assert r0["same"] == r1["same"], where
+        for r in (r0, r1):
+            if r["same"]:
+                assert r["error"] is None and r["grad_error"] <= TOL, (where, r)
+            else:
+                assert r["error"] is not None and "another order" in r["error"][1], (where, r)

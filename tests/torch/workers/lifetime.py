@@ -8,6 +8,7 @@ right, that the parameters equal a one-process float64 twin.
 from __future__ import annotations
 
 import gc
+import random
 from typing import Any
 
 import torch
@@ -98,6 +99,40 @@ def orders() -> dict[str, Any]:
     out["after"] = w.max_error(w.grads_of(a), w.full_batch_grads(w.microbatches(3)))
     acc_a.close()
     acc_b.close()
+    return out
+
+
+def orders_fuzz(seeds: list[int]) -> list[dict[str, Any]]:
+    """Three accumulators of one layout, four windows each, uneven counts (zeros included); in each window every
+    rank finishes them in an order drawn from the seed, the same on both ranks about half the time. Per finish:
+    the error class (or None) and the gradient's error against the twin when it succeeded; then every window
+    still refused is discarded on every rank."""
+    rank, out = dist.get_rank(), []
+    for seed in seeds:
+        rng = random.Random(seed)
+        models = [w.TinyMoE() for _ in range(3)]
+        accs = [MicrobatchAccumulator(m) for m in models]
+        for k in range(4):
+            counts = [[rng.randint(0, 2), rng.randint(1, 2)] for _ in models]
+            orders = [rng.sample(range(3), 3), rng.sample(range(3), 3)]
+            if rng.random() < 0.5:
+                orders[1] = orders[0]
+            for j, (acc, model) in enumerate(zip(accs, models)):
+                model.zero_grad(set_to_none=True)
+                run_window(acc, model, 0, [counts[j]])
+            for pos, j in enumerate(orders[rank]):
+                got = w.error_of(accs[j].finish)
+                err = None
+                if got is None:
+                    want = w.full_batch_grads(w.microbatches(sum(counts[j])))
+                    err = w.max_error(w.grads_of(models[j]), want)
+                out.append({"seed": seed, "window": k, "pos": pos, "same": orders[0][pos] == orders[1][pos],
+                            "error": got, "grad_error": err})
+            for acc in accs:
+                if acc.state.window.open:
+                    acc.discard()
+        for acc in accs:
+            acc.close()
     return out
 
 

@@ -68,7 +68,10 @@ class MicrobatchAccumulator:
     Raises:
         GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
             ``DDP(static_graph=True)``; a parameter on the meta device; a parameter another live accumulator
-            holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`).
+            holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare tensors that cannot be
+            told apart across ranks (every rank).
+        CollectiveError: the ranks' parameter lists differ (compared with one small ``all_gather_object`` at
+            construction, which every rank of the group runs: build accumulators in the same order on every rank).
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -226,23 +229,23 @@ class MicrobatchAccumulator:
         """Close the window: every ``.grad`` becomes the sum over all microbatches of all ranks / D.
 
         One collective per gradient bucket (one for a model under ``bucket_mb``), the counters travelling
-        in the last; none without a process group. The first finish() of an accumulator also checks, with
-        one small ``all_gather_object``, that every rank accumulates the same parameters. The next
-        :meth:`microbatch` opens a new window and requires the gradients to be None again.
+        in the last; none without a process group. Every rank must finish the same accumulator: its identity
+        travels with the counters. The next :meth:`microbatch` opens a new window and requires the gradients
+        to be None again.
 
         Returns:
             The :class:`Ledger` of the window.
 
         Raises:
-            WindowError: on every rank, when any rank's window is poisoned (a microbatch raised
+            WindowError: on every rank, when the ranks finish different accumulators (another order on
+                each); when any rank's window is poisoned (a microbatch raised
                 mid-backward, a backward outside ``microbatch()``, an invalid weight, weighted and
                 unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
                 outside a microbatch) or had non-zero gradients before it opened (exact zeros, a
                 ``zero_grad(set_to_none=False)``'s leftovers, count as absent); when M = 0, or the total weight is 0 or
                 beyond what the gradients' dtype can be divided by; when called inside a microbatch.
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
-            CollectiveError: the ranks' parameter lists differ; a collective failed or timed out.
-            GradaggError: bare tensors that cannot be told apart across ranks (every rank).
+            CollectiveError: a collective failed or timed out.
         """
         st = self._open_state()
         if st.window.in_microbatch:
