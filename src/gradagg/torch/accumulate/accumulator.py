@@ -305,7 +305,8 @@ class MicrobatchAccumulator:
     @property
     def state(self) -> State:
         """The accumulator's :class:`~gradagg.torch.accumulate.state.State`, for tools, tests and integrations to
-        read (is a window open? its layout, its buckets); changing it by hand is unsupported."""
+        read (is a window open? its layout, its buckets); changing it by hand is unsupported. Holding it does not
+        keep the accumulator alive: dropped, the accumulator closes its state."""
         return self._state
 
     def report(self) -> str:
