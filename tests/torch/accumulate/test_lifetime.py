@@ -204,3 +204,23 @@ def test_finish_orders_fuzz() -> None:
                 assert r["error"] is None and r["grad_error"] <= TOL, (where, r)
             else:
                 assert r["error"] is not None and "another order" in r["error"][1], (where, r)
+
+
+def test_guard_programs_fuzz() -> None:
+    """Class test of the guard's holes: random programs on 2 ranks (hand updates, discards, re-created optimizers,
+    uneven counts with zeros). A clip or step is refused on both ranks exactly when a window is open on some
+    rank; both ranks end with the same parameters."""
+    seeds = list(range(5))
+    print(f"seeds {seeds}")
+    ranks = run_local_world(lifetime.guard_fuzz, 2, seeds, **WORLD)
+    assert len(ranks[0]) == len(ranks[1])
+    seen = set()
+    for r0, r1 in zip(*ranks):
+        if "params" in r0:
+            assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"])), r0["seed"]
+            continue
+        for r in (r0, r1):
+            want = "WindowError" if r["held"] else None
+            assert r["error"] == want, (r0["seed"], r0["step"], r0["op"], r)
+        seen.add((r0["op"], r0["held"]))
+    assert seen == {("clip", True), ("clip", False), ("step", True), ("step", False)}  # every kind drawn

@@ -7,6 +7,7 @@ right, that the parameters equal a one-process float64 twin.
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 from typing import Any
@@ -213,6 +214,49 @@ def second_attach() -> dict[str, Any]:
         second.zero_grad()
     acc.close()
     out["error"] = error(model, twin())
+    return out
+
+
+def guard_fuzz(seeds: list[int]) -> list[dict[str, Any]]:
+    """Random programs on 2 ranks, not attached: microbatches (uneven counts, zeros included), clips, steps,
+    finishes, discards, optimizers re-created, weights updated by hand. Per clip or step: the error class or None,
+    with whether the plan (the same on both ranks) had a window open on some rank."""
+    rank, out = dist.get_rank(), []
+    for seed in seeds:
+        rng = random.Random(seed)
+        model = w.TinyMoE()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = MicrobatchAccumulator(model)
+        open_any, batches = False, w.microbatches(4, seed=seed + 1)
+        for step in range(30):
+            op = rng.choice(["mbs", "mbs", "clip", "step", "finish", "discard", "new_opt", "hand"])
+            if op == "mbs":
+                counts = [rng.randint(0, 2), rng.randint(0, 2)]
+                if not open_any:
+                    model.zero_grad(set_to_none=True)  # a new window starts from no gradient
+                for b in batches[: counts[rank]]:
+                    with acc.microbatch():
+                        w.loss_of(model, b).backward()
+                open_any = open_any or sum(counts) > 0
+            elif op in ("clip", "step"):
+                got = w.error_of(opt.step if op == "step" else functools.partial(
+                    torch.nn.utils.clip_grad_norm_, list(model.parameters()), 1.0))
+                out.append({"seed": seed, "step": step, "op": op, "held": open_any, "error": got and got[0]})
+            elif op == "finish" and open_any:
+                acc.finish()
+                open_any = False
+            elif op == "discard":
+                acc.discard()
+                open_any = False
+            elif op == "new_opt":
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            elif op == "hand":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+        acc.close()
+        out.append({"seed": seed, "params": [p.detach().clone() for p in model.parameters()]})
     return out
 
 
