@@ -49,6 +49,8 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
     Made by :func:`exact`; see the module's docstring for the loop.
     """
 
+    _undoes_division = True  # gradient_accumulation_steps reads 1 inside microbatch(): attach() accepts it
+
     def __init__(self, accelerator: Any, model: torch.nn.Module, **options: Any) -> None:
         super().__init__(model, **options)
         self._accelerator = accelerator

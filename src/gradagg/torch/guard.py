@@ -3,16 +3,19 @@
 During a window every counted gradient sits in the accumulator's buffer and ``.grad`` is None (see
 :mod:`gradagg.torch.accumulate.hooks`). A gradient clip or an optimizer step that runs before ``finish()``
 would see nothing: the clip clips nothing, the step skips every parameter, silently. This module keeps
-that from happening, with one rule that every rank evaluates the same way without communicating.
+that from happening, with one rule that every rank evaluates the same way.
 
-**Held.** An accumulator's gradients are *held* for an optimizer when no window was finished (or discarded)
-since that optimizer's last step over the accumulator's parameters: every finish and discard starts a new
-window object (:meth:`State.new_window`), so "the current window is the one this optimizer last stepped in"
-is the test. Ranks step and finish in lockstep, so the answer is the same on a rank that ran no microbatch
-(whose window is not even open) as on one that ran several. Before an optimizer's first step the window of
-the accumulator's birth is the mark. A clip over some parameters asks the optimizers that hold any of
-them; when none has stepped yet, the birth window is the mark. In one process (no group, or a group of
-one) nothing needs agreeing: the clips and steps ask whether the window is open.
+**Held.** An accumulator's gradients are *held* while a window is open on any rank of its group: counted
+gradients sit in its buffer and ``.grad`` is None. A rank whose own window is not open (it ran no microbatch
+yet) cannot see that alone, so a clip or step over an accumulator's parameters in a group of several ranks asks
+them, with one small ``all_gather`` (:func:`agree`): each rank sends the accumulator's identity (see
+:mod:`gradagg.torch.accumulate.lifetime`), whether its window is open and whether it is inside a microbatch. Every
+rank gets the same answer and decides alike; ranks that name different accumulators all refuse. Clips and steps
+run on every rank in data-parallel training (as the collectives of ``finish()`` do); one called on some ranks
+only fails with :class:`~gradagg.errors.CollectiveError` at the collective timeout. In one process (no group, or
+a group of one) nothing needs agreeing: the window open is what is held. (Inferring "held" without asking, from
+each optimizer's last step, missed every loop where no step marks a window's end: weights updated by hand, a
+``discard()``, an optimizer re-created.)
 
 **Made right or refused, on every rank.**
 
@@ -22,38 +25,39 @@ one) nothing needs agreeing: the clips and steps ask whether the window is open.
   :class:`~gradagg.errors.WindowError`, naming the clip and the fix.
 * ``torch.nn.utils.clip_grads_with_norm_`` over held parameters: always refused, since its norm was
   computed before (torchtitan and Accelerate call ``get_total_norm([p.grad ...])``, which saw no gradient).
-* an optimizer step over held parameters of an accumulator not attached to it: refused; except a step whose
-  parameters have gradients (the hooks leave none while a window is held), such as the zero-gradient step
-  ``torch.distributed.checkpoint`` takes to create an optimizer's state before loading.
+* an optimizer step over held parameters of an accumulator not attached to it: refused. A step while no window
+  is open anywhere (``torch.distributed.checkpoint``'s zero-gradient step that creates an optimizer's state
+  before loading) passes.
+* a clip or step inside a ``microbatch()`` on any rank: refused on every rank.
 * ``get_total_norm(tensors)`` takes gradients, not parameters: an empty list (``.grad`` None) names no
   accumulator, so it is not guarded itself; the clip that follows it is.
 
 **Mechanism.** While at least one accumulator is alive (registered at construction, unregistered by
 ``close()`` or when it is garbage-collected), the four functions above are replaced in ``torch.nn.utils``
 (and ``torch.nn.utils.clip_grad``) by wrappers that check, then call the original; and a global optimizer
-step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) records each
-optimizer's step. Frameworks look these functions up as attributes of ``torch.nn.utils`` when they call them
-(HF Trainer through Accelerate, Lightning's precision plugins, torchtitan's ``dist_utils``), so they meet
-the wrappers; code that imported a function by name before the first accumulator was built does not.
-The originals are put back when the last accumulator goes (unless someone replaced them meanwhile).
+step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) checks each
+optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of
+``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
+torchtitan's ``dist_utils``), so they meet the wrappers; code that imported a function by name before the
+first accumulator was built does not. The originals are put back when the last accumulator goes (unless
+someone replaced them meanwhile).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradagg.errors import WindowError
-from gradagg.torch.collectives import get_world_size
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch.collectives import all_gather_into, device_for, get_rank, get_world_size
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
-    from gradagg.torch.accumulate.window import Window
 
 Finish = Callable[[], object]
 
@@ -64,17 +68,15 @@ class Entry:
 
     Attributes:
         state: the accumulator's state (weakly: the guard never keeps an accumulator alive).
-        born: the window current when it was built: the mark before any step.
-        marks: optimizer -> (the accumulator's parameter indices it holds, the window of its last step).
         attached: the optimizers (wrappers and inner ones) ``attach`` hooked, with the finish to run.
+        leaves: those whose step touches the gradients (torch optimizers), for :func:`refuse_second`.
+        marks: attached leaf -> ``state.finished`` at its last step (or at ``attach``), see :func:`due`.
     """
 
     state: weakref.ReferenceType[State]
-    born: weakref.ReferenceType[Window]
-    marks: weakref.WeakKeyDictionary[Any, tuple[frozenset[int], weakref.ReferenceType[Window]]] = field(
-        default_factory=weakref.WeakKeyDictionary
-    )
     attached: weakref.WeakKeyDictionary[Any, Finish] = field(default_factory=weakref.WeakKeyDictionary)
+    leaves: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    marks: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
 
 
 _entries: dict[int, Entry] = {}  # id(state) -> entry, while the state lives and is not closed
@@ -93,7 +95,7 @@ class Registration:
 def register(state: State) -> Registration:
     """Guard ``state``'s held gradients from now on (see the module docstring)."""
     key = id(state)
-    _entries[key] = Entry(weakref.ref(state, lambda _ref: _forget(key)), weakref.ref(state.window))
+    _entries[key] = Entry(weakref.ref(state, lambda _ref: _forget(key)))
     _patching.install()
     return Registration(key)
 
@@ -132,22 +134,105 @@ def _indices(state: State, tensors: Iterable[object]) -> frozenset[int]:
     return frozenset(where[id(t)] for t in tensors if id(t) in where)
 
 
-def held_for(state: State, optimizer: Any) -> bool:
-    """Whether no window was finished or discarded since ``optimizer``'s last step (or since the accumulator
-    was built, before its first): the same answer on every rank."""
-    entry = entry_of(state)
-    mark = entry.marks.get(optimizer)
-    window = entry.born if mark is None else mark[1]
-    return window() is state.window
+def _live() -> list[tuple[Entry, State]]:
+    return [(e, s) for e in list(_entries.values()) if (s := e.state()) is not None and not s.closed]
+
+
+def holder_of(tensors: Sequence[torch.Tensor]) -> tuple[State, int, int] | None:
+    """The live accumulator holding one of ``tensors``: ``(its state, its parameter index, the index in tensors)``."""
+    for _, state in _live():
+        where = index_of(state)
+        for k, t in enumerate(tensors):
+            if id(t) in where:
+                return state, where[id(t)], k
+    return None
+
+
+# --- held: agreed by the ranks ------------------------------------------------------------------------
+
+
+def agree(state: State, what: str) -> bool:
+    """Whether ``state``'s window is open on any rank of its group (one ``all_gather`` in a group of several).
+
+    Args:
+        state: the accumulator.
+        what: the clip or step asking, for messages.
+
+    Returns:
+        True when gradients are held (a window open somewhere).
+
+    Raises:
+        WindowError: on every rank, when a rank is inside ``microbatch()``, or the ranks ask about different
+            accumulators (built or used in another order).
+        CollectiveError: the collective failed or timed out (a rank that did not clip or step).
+    """
+    w = state.window
+    if get_world_size(state.group) == 1:
+        rows = [[*state.identity, float(w.open), float(w.in_microbatch)]]
+    else:
+        mine = torch.tensor([*state.identity, float(w.open), float(w.in_microbatch)], dtype=torch.float64)
+        mine = mine.to(device_for(state.group))
+        out = all_gather_into(torch.empty(mine.numel() * get_world_size(state.group), dtype=mine.dtype,
+                                          device=mine.device), mine, state.group)
+        rows = out.view(-1, 4).tolist()
+    ids = [(int(r[0]), int(r[1])) for r in rows]
+    if len(set(ids)) > 1:
+        names = "; ".join(f"rank {r}: accumulator #{i[0]} (layout {i[1]:08x})" for r, i in enumerate(ids))
+        raise WindowError(
+            f"rank {get_rank(state.group)}: {what} reached different accumulators on different ranks ({names}): "
+            "build the accumulators, and finish, clip and step them, in the same order on every rank"
+        )
+    inside = [r for r, row in enumerate(rows) if row[3]]
+    if inside:
+        raise WindowError(f"{what} called inside microbatch() (on rank(s) {inside}): clip and step after finish()")
+    return any(row[2] for row in rows)
+
+
+# --- the optimizer step -------------------------------------------------------------------------------
 
 
 def attach_optimizer(state: State, optimizer: Any, finish: Finish, *, leaf: bool) -> None:
     """Record that ``attach`` hooked ``optimizer`` (a leaf: a torch optimizer whose step pre-hook finishes)."""
     entry = entry_of(state)
     entry.attached[optimizer] = finish
-    if leaf and optimizer not in entry.marks:
-        # its next step finishes the current window (which may already be open): mark it as the held one
-        entry.marks[optimizer] = (_indices(state, optimizer_params(optimizer)), weakref.ref(state.window))
+    if leaf:
+        entry.leaves.add(optimizer)
+        entry.marks.setdefault(optimizer, state.finished)
+
+
+def due(state: State, optimizer: Any) -> bool:
+    """Whether an attached ``optimizer``'s step must finish the window first: a window is open on some rank
+    (:func:`agree`), or no window was finished since its last step (or its ``attach``); the latter finishes an
+    empty window, which refuses (M = 0) on every rank, rather than step on no gradient or an unreduced one."""
+    held = agree(state, f"{type(optimizer).__name__}.step()")
+    return held or entry_of(state).marks.get(optimizer) == state.finished
+
+
+def note_step(optimizer: Any) -> None:
+    """After any optimizer's step: mark it, for the accumulators it is attached to (see :func:`due`)."""
+    for entry, state in _live():
+        if optimizer in entry.leaves:
+            entry.marks[optimizer] = state.finished
+
+
+def refuse_second(state: State, leaves: list[Any]) -> None:
+    """Refuse to attach an optimizer over parameters that another attached optimizer steps too.
+
+    Raises:
+        GradaggError: naming both optimizers and a shared parameter.
+    """
+    entry = entry_of(state)
+    for leaf in leaves:
+        mine = _indices(state, optimizer_params(leaf))
+        for other in list(entry.leaves):
+            shared = mine & _indices(state, optimizer_params(other)) if other is not leaf else frozenset()
+            if shared:
+                raise GradaggError(
+                    f"attach(): {type(other).__name__} at {id(other):#x} is already attached over parameter "
+                    f"{state.names[min(shared)]!r}, which {type(leaf).__name__} at {id(leaf):#x} steps too: both "
+                    "would step each window's gradient; remove() the first attach()'s handle (or attach a container "
+                    "of optimizers over disjoint parameters)"
+                )
 
 
 def detach_optimizers(state: State, objects: list[Any]) -> None:
@@ -155,25 +240,7 @@ def detach_optimizers(state: State, objects: list[Any]) -> None:
     entry = _entries.get(id(state))
     for obj in objects if entry is not None else ():
         entry.attached.pop(obj, None)  # type: ignore[union-attr]
-
-
-def note_step(optimizer: Any) -> None:
-    """After any optimizer's step: the accumulators over its parameters hold nothing for it until next window."""
-    tensors = optimizer_params(optimizer)
-    for entry in list(_entries.values()):
-        state = entry.state()
-        if state is None:
-            continue
-        mine = _indices(state, tensors)
-        if mine:
-            entry.marks[optimizer] = (mine, weakref.ref(state.window))
-
-
-def _live() -> list[tuple[Entry, State]]:
-    return [(e, s) for e in list(_entries.values()) if (s := e.state()) is not None and not s.closed]
-
-
-# --- the optimizer step -------------------------------------------------------------------------------
+        entry.leaves.discard(obj)  # type: ignore[union-attr]
 
 
 def check_step(optimizer: Any) -> None:
@@ -183,28 +250,16 @@ def check_step(optimizer: Any) -> None:
         WindowError: held gradients of an accumulator not attached to this optimizer (see the module docstring).
     """
     tensors = optimizer_params(optimizer)
+    what = f"{type(optimizer).__name__}.step()"
     for entry, state in _live():
         if optimizer in entry.attached or not _indices(state, tensors):
             continue
-        if get_world_size(state.group) == 1:
-            held = state.window.open  # one process: what is held is exactly what an open window holds
-        else:
-            held = held_for(state, optimizer) and not _has_grads(state, tensors)
-        if held:
+        if agree(state, what):
             raise WindowError(
-                f"{type(optimizer).__name__}.step() would skip the gradients the accumulator still holds (no finish() "
-                "since this optimizer's last step: .grad is None until finish()); call acc.finish() before "
-                "optimizer.step(), or acc.attach(optimizer) so that its step finishes the window first "
-                "(or close() an accumulator no longer used)"
+                f"{what} would skip the gradients {state.label()} still holds (a window is open on some rank: "
+                ".grad is None until finish()); call acc.finish() before optimizer.step(), or acc.attach(optimizer) "
+                "so that its step finishes the window first (or close() an accumulator no longer used)"
             )
-
-
-def _has_grads(state: State, tensors: list[torch.Tensor]) -> bool:
-    """Whether the optimizer's accumulated parameters have gradients: never while held (the hooks take them),
-    but in a step that set them itself, e.g. torch.distributed.checkpoint's zero-gradient step that creates
-    an optimizer's state before loading a checkpoint."""
-    where = index_of(state)
-    return any(t.grad is not None for t in tensors if id(t) in where)
 
 
 def _step_pre_hook(optimizer: Any, _args: object, _kwargs: object) -> None:
@@ -218,16 +273,6 @@ def _step_post_hook(optimizer: Any, _args: object, _kwargs: object) -> None:
 # --- the clips ----------------------------------------------------------------------------------------
 
 
-def _held_in_clip(entry: Entry, state: State, mine: frozenset[int]) -> bool:
-    """Held for the clipped parameters ``mine``: by the optimizers that hold any of them, else since birth."""
-    if get_world_size(state.group) == 1:
-        return state.window.open  # one process: what is held is exactly what an open window holds
-    marks = [window for opt_mine, window in entry.marks.values() if opt_mine & mine]
-    if not marks:
-        return entry.born() is state.window
-    return any(window() is state.window for window in marks)
-
-
 def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> None:
     """Before ``torch.nn.utils.<name>`` over ``tensors``: finish the windows it would miss, or refuse.
 
@@ -235,22 +280,18 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
         WindowError: held gradients that cannot be made right here (see the module docstring).
     """
     for entry, state in _live():
-        mine = _indices(state, tensors)
-        if not mine or not _held_in_clip(entry, state, mine):
+        if not _indices(state, tensors) or not agree(state, f"torch.nn.utils.{name}"):
             continue
         finish = next(iter(entry.attached.values()), None)
-        if state.window.in_microbatch:
-            raise WindowError(f"torch.nn.utils.{name} called inside microbatch(): clip after finish()")
         if can_finish and finish is not None:
             finish()  # attached: every rank clips here, so every rank finishes here, then clips the exact gradient
             continue
         why = "(the norm was computed before, on no gradient) " if name == "clip_grads_with_norm_" else ""
         raise WindowError(
-            f"torch.nn.utils.{name} called on parameters whose gradients the accumulator still holds {why}(the "
+            f"torch.nn.utils.{name} called on parameters whose gradients {state.label()} still holds {why}(the "
             "window was not finished: .grad is None, nothing would be clipped); call acc.finish() before clipping"
             + ("" if name == "clip_grads_with_norm_" else ", or acc.attach(optimizer): a clip then finishes first")
         )
-
 
 def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -317,15 +358,18 @@ def guarded_functions() -> dict[str, Callable[..., Any]]:
 __all__ = [
     "Entry",
     "Registration",
+    "agree",
     "attach_optimizer",
     "before_clip",
     "check_step",
     "detach_optimizers",
+    "due",
     "entry_of",
     "guarded_functions",
-    "held_for",
+    "holder_of",
     "index_of",
     "note_step",
     "optimizer_params",
+    "refuse_second",
     "register",
 ]

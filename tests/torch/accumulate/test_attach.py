@@ -240,3 +240,28 @@ def test_twin_reference_is_not_trivial() -> None:
         opt.step()
         opt.zero_grad()
     assert error(model, reference(sgd)) > 1e-6
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_attach_refuses_accelerate_dividing(steps: int) -> None:
+    """The general attach() under Accelerate with gradient_accumulation_steps > 1: accelerator.backward divides
+    the summed loss by it, so the window's gradient was 1/steps of the mean, silently. Refused at attach(),
+    naming exact(); exact()'s accumulator (which undoes the division) attaches the same optimizer."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from gradagg.errors import GradaggError
+    from gradagg.integrations.accelerate import exact
+
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+        model, opt = accelerator.prepare(net(), torch.optim.SGD(net().parameters(), lr=0.1))
+        acc = MicrobatchAccumulator(model)
+        with pytest.raises(GradaggError, match=r"gradagg\.integrations\.accelerate\.exact") as info:
+            acc.attach(opt)
+        assert f"gradient_accumulation_steps is {steps}" in str(info.value)
+        acc.close()
+        exact(accelerator, model, opt).close()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -65,8 +65,9 @@ def attached_clip() -> dict[str, Any]:
 
 
 def not_attached() -> dict[str, Any]:
-    """Not attached: a clip before finish() raises on every rank, in window 1 (before any step) and window 2;
-    so does a step with no finish() since the last one. Each refused window is then finished and stepped."""
+    """Not attached: a clip or step before finish() raises on every rank, in window 1 (before any step) and
+    window 2; a second step once both are finished (nothing held on any rank, .grad None) passes and moves
+    nothing. Each refused window is then finished and stepped."""
     model = w.TinyMoE()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     acc = MicrobatchAccumulator(model)

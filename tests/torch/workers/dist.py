@@ -225,7 +225,7 @@ def window_failures_world() -> dict[str, Any]:
             pass
     out["poisoned"] = error_of(acc.finish)
     acc.discard()
-    acc2, _ = accumulate(model, batches)
+    accumulate(model, batches, acc)  # the same accumulator: a second live one over the model is refused
     out["after_discard"] = max_error(grads_of(model), full_batch_grads(microbatches(4)))
     # no microbatch anywhere: M = 0
     model.zero_grad()

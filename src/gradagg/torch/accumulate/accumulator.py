@@ -7,6 +7,7 @@ the work, passing the state explicitly (see :mod:`gradagg.torch.accumulate` for 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ import torch
 
 from gradagg.errors import WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch.accumulate import attaching, hooks, opening, padding, terms
+from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, padding, terms
 from gradagg.torch.accumulate import finish as finishing
 from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
@@ -66,7 +67,11 @@ class MicrobatchAccumulator:
 
     Raises:
         GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
-            ``DDP(static_graph=True)``; a parameter on the meta device.
+            ``DDP(static_graph=True)``; a parameter on the meta device; a parameter another live accumulator
+            holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare tensors that cannot be
+            told apart across ranks (every rank).
+        CollectiveError: the ranks' parameter lists differ (compared with one small ``all_gather_object`` at
+            construction, which every rank of the group runs: build accumulators in the same order on every rank).
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -89,6 +94,9 @@ class MicrobatchAccumulator:
         pad: Pad = "replay",
     ) -> None:
         self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad)
+        # dropped without close(): released as close() would (nothing the state holds refers back to self)
+        self._release = weakref.finalize(self, lifetime.release, self._state)
+        self._release.atexit = False
         opening.install(self._state)
         opening.open_before_forward(self._state)
         padding.watch_forward(self._state)
@@ -224,23 +232,23 @@ class MicrobatchAccumulator:
         """Close the window: every ``.grad`` becomes the sum over all microbatches of all ranks / D.
 
         One collective per gradient bucket (one for a model under ``bucket_mb``), the counters travelling
-        in the last; none without a process group. The first finish() of an accumulator also checks, with
-        one small ``all_gather_object``, that every rank accumulates the same parameters. The next
-        :meth:`microbatch` opens a new window and requires the gradients to be None again.
+        in the last; none without a process group. Every rank must finish the same accumulator: its identity
+        travels with the counters. The next :meth:`microbatch` opens a new window and requires the gradients
+        to be None again.
 
         Returns:
             The :class:`Ledger` of the window.
 
         Raises:
-            WindowError: on every rank, when any rank's window is poisoned (a microbatch raised
+            WindowError: on every rank, when the ranks finish different accumulators (another order on
+                each); when any rank's window is poisoned (a microbatch raised
                 mid-backward, a backward outside ``microbatch()``, an invalid weight, weighted and
                 unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
                 outside a microbatch) or had non-zero gradients before it opened (exact zeros, a
                 ``zero_grad(set_to_none=False)``'s leftovers, count as absent); when M = 0, or the total weight is 0 or
                 beyond what the gradients' dtype can be divided by; when called inside a microbatch.
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
-            CollectiveError: the ranks' parameter lists differ; a collective failed or timed out.
-            GradaggError: bare tensors that cannot be told apart across ranks (every rank).
+            CollectiveError: a collective failed or timed out.
         """
         st = self._open_state()
         if st.window.in_microbatch:
@@ -264,22 +272,30 @@ class MicrobatchAccumulator:
 
         Returns:
             A handle (``.remove()`` detaches it; :meth:`close` does too).
+
+        Raises:
+            GradaggError: another optimizer over some of the same parameters is attached already (each window's
+                gradient would be stepped twice: ``remove()`` the first's handle); an Accelerate optimizer with
+                ``gradient_accumulation_steps`` > 1 (``accelerator.backward`` divides the summed loss: use
+                ``gradagg.integrations.accelerate.exact``).
         """
-        return attaching.attach(self._state, optimizer, self.finish)
+        finish = weakref.WeakMethod(self.finish)  # the hooks must not keep the accumulator alive
+
+        def finish_if_alive() -> object:
+            bound = finish()
+            return None if bound is None else bound()
+
+        return attaching.attach(self._state, optimizer, finish_if_alive, divides=not self._undoes_division)
+
+    # Accelerate's accelerator.backward divides by gradient_accumulation_steps; a subclass that sets it to 1 inside
+    # each microbatch (gradagg.integrations.accelerate's) says so here, and attach() then accepts such optimizers.
+    _undoes_division = False
 
     def close(self) -> None:
-        """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable."""
-        st = self._state
-        st.closed = True
-        for _, h in st.hooked.values():
-            h.remove()
-        for h in st.extra_hooks:
-            h.remove()
-        st.hooked, st.extra_hooks = {}, []
-        if st.ddp is not None:
-            st.ddp.release()
-        if st.fsdp is not None:
-            st.fsdp.restore()
+        """Remove every hook; give DDP and FSDP2 their own synchronisation back. The accumulator is then unusable.
+
+        An accumulator dropped without ``close()`` is closed when its last reference goes (see :mod:`.lifetime`)."""
+        self._release()
 
     @property
     def ledger(self) -> Ledger:
@@ -292,7 +308,8 @@ class MicrobatchAccumulator:
     @property
     def state(self) -> State:
         """The accumulator's :class:`~gradagg.torch.accumulate.state.State`, for tools, tests and integrations to
-        read (is a window open? its layout, its buckets); changing it by hand is unsupported."""
+        read (is a window open? its layout, its buckets); changing it by hand is unsupported. Holding it does not
+        keep the accumulator alive: dropped, the accumulator closes its state."""
         return self._state
 
     def report(self) -> str:

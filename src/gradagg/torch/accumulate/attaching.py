@@ -8,11 +8,17 @@ two attributes down to the torch optimizers whose ``step`` touches the gradients
 pre-hook on each (public ``Optimizer.register_step_pre_hook``). An object that is neither a known wrapper nor
 has step hooks gets its ``step`` replaced on the instance (the tested fallback).
 
-The pre-hook finishes only a window still held for that optimizer (:func:`gradagg.torch.guard.held_for`):
-a clip before the step may have finished it already, and a container's second optimizer must not finish
-again. A step called with a closure (Lightning's automatic optimisation runs the last microbatch's forward
-and backward inside it, after the pre-hooks) gets the closure wrapped instead: the window finishes when the
-closure returns, i.e. after its backward and before the update.
+The pre-hook finishes a window still held (:func:`gradagg.torch.guard.due`: open on some rank, asked of every
+rank, or none finished since this optimizer's last step): a clip before the step may have finished it already,
+and a container's second optimizer must not finish again. A step
+called with a closure (Lightning's automatic optimisation runs the last microbatch's forward and backward inside
+it, after the pre-hooks) gets the closure wrapped instead: the window finishes when the closure returns, i.e.
+after its backward and before the update.
+
+Refused at ``attach()``: a second optimizer over parameters an attached one steps (each window's gradient would
+be stepped twice); an Accelerate optimizer whose ``gradient_accumulation_steps`` is above 1, unless the
+accumulator undoes Accelerate's division (``gradagg.integrations.accelerate.exact``'s does): ``accelerator.backward``
+divides each microbatch's loss by it, so the summed loss the accumulator expects would arrive divided.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from gradagg.errors import GradaggError
 from gradagg.torch import guard
 from gradagg.torch.accumulate.state import State
 
@@ -41,18 +48,25 @@ class Attachment:
         guard.detach_optimizers(self.state, self.objects)
 
 
-def attach(state: State, optimizer: Any, finish: Finish) -> Attachment:
+def attach(state: State, optimizer: Any, finish: Finish, *, divides: bool = True) -> Attachment:
     """Run ``finish`` before ``optimizer`` updates (after its closure's backward, for a step with a closure).
 
     Args:
         state: the accumulator (the handle is kept in ``state.extra_hooks``, removed on close).
         optimizer: a torch optimizer, or a wrapper of one or several (Accelerate, Lightning, torchtitan).
         finish: the accumulator's ``finish``.
+        divides: whether Accelerate's ``accelerator.backward`` still divides inside this accumulator's microbatches.
 
     Returns:
         The handle (``.remove()`` detaches).
+
+    Raises:
+        GradaggError: a second optimizer over attached parameters; Accelerate dividing (see the module docstring).
     """
     wrappers, leaves = _unwrap(optimizer)
+    if divides:
+        _refuse_accelerate_division(wrappers)
+    guard.refuse_second(state, leaves)
     attachment = Attachment(state, [*wrappers, *leaves])
     for obj in wrappers:
         guard.attach_optimizer(state, obj, finish, leaf=False)
@@ -61,6 +75,19 @@ def attach(state: State, optimizer: Any, finish: Finish) -> Attachment:
         attachment.handles.append(_hook(state, leaf, finish))
     state.extra_hooks.append(attachment)
     return attachment
+
+
+def _refuse_accelerate_division(wrappers: list[Any]) -> None:
+    for obj in wrappers:
+        # AcceleratedOptimizer's public gradient_state: the GradientState whose num_steps accelerator.backward reads
+        steps = getattr(getattr(obj, "gradient_state", None), "num_steps", 1)
+        if isinstance(steps, int) and steps > 1:
+            raise GradaggError(
+                f"attach({type(obj).__name__}): Accelerate's gradient_accumulation_steps is {steps}, so "
+                f"accelerator.backward divides each microbatch's loss by {steps} and the window's gradient would be "
+                f"1/{steps} of the mean; use gradagg.integrations.accelerate.exact(accelerator, model, optimizer), "
+                "which undoes the division, or Accelerator(gradient_accumulation_steps=1)"
+            )
 
 
 def _unwrap(optimizer: Any) -> tuple[list[Any], list[Any]]:
@@ -94,17 +121,18 @@ def _hook(state: State, leaf: Any, finish: Finish) -> Any:
 def _before_step(
     state: State, opt: Any, finish: Finish, args: tuple[Any, ...], kwargs: dict[str, Any], *, at: int
 ) -> Any:
-    """Finish now, or (a step with a closure, positional at ``at``) when the closure returns; None: unchanged."""
-    if not guard.held_for(state, opt):
-        return None  # finished already: by a clip, or by another optimizer of the same container
+    """Finish now, or (a step with a closure, positional at ``at``) when the closure returns; None: unchanged.
+
+    Finished only if still held: a clip, or another optimizer of the same container, may have finished it."""
     closure = kwargs.get("closure", args[at] if len(args) > at else None)
     if closure is None:
-        finish()
+        if guard.due(state, opt):
+            finish()
         return None
 
     def closure_then_finish() -> Any:
         out = closure()
-        if guard.held_for(state, opt):  # a clip inside the closure (Lightning's) may have finished it
+        if guard.due(state, opt):  # the closure ran the window's last backward; a clip in it may have finished
             finish()
         return out
 

@@ -33,6 +33,7 @@ def finish(state: State) -> Ledger:
     """:meth:`MicrobatchAccumulator.finish` after its argument checks (see there)."""
     _prepare(state)
     counts = _exchange(state)
+    _refuse_other_accumulators(state, counts)
     if state.ddp is not None:  # every rank exchanged, whatever its count: the next window starts with rank 0's
         state.ddp.sync_buffers(state.window)
     _raise_if_any_failed(state, counts)
@@ -105,9 +106,30 @@ def _exchange(state: State) -> Counts:
         for total in w.shard_sums.values():
             sender.finite &= all_finite(total)
     weight = weight_sum(weight_values(w.weights))  # a weight that cannot count already set w.status
-    sender.flush(layout.local_counters(w.participation, w.m, weight, w.status, w.mode))
+    sender.flush(layout.local_counters(w.participation, w.m, weight, w.status, w.mode, state.identity))
     sender.wait()
     return layout.read_counters(w.flat, w.out)
+
+
+def _refuse_other_accumulators(state: State, counts: Counts) -> None:
+    """Every rank must have finished this same accumulator: the identities that rode with the counters agree.
+
+    Raises:
+        WindowError: on every rank (each reads every rank's identity), before anything is installed or broadcast;
+            the window stays refused until ``discard()``, as the gradients summed were another accumulator's.
+    """
+    if len(set(counts.identities)) <= 1:
+        return
+    w = state.window
+    w.fail(PEER, "the ranks finished different accumulators in one collective")
+    w.open = True
+    names = "; ".join(f"rank {r}: accumulator #{s} (layout {f:08x})" for r, (s, f) in enumerate(counts.identities))
+    raise WindowError(
+        f"rank {get_rank(state.group)}: finish() of {state.label()} met another accumulator on another rank ({names}): "
+        "the ranks finished their accumulators in another order, so the sums mixed them; nothing was installed",
+        remedy="discard() every accumulator of the window on every rank, then build and finish them in the same "
+        "order on every rank",
+    )
 
 
 def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
@@ -183,6 +205,7 @@ def _close_window(state: State, ledger: Ledger) -> None:
     state.padded_last = state.window.padded
     state.new_window()  # counters to zero: a second finish() cannot divide the same sums twice
     state.last = ledger
+    state.finished += 1
     if only_shards:
         state.pools[0].release()  # FSDP2: the unsharded gradient buffer is not kept between windows
 

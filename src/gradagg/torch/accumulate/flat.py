@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -33,7 +33,10 @@ Kind = Literal["all_reduce", "reduce_scatter", "external"]  # external: counted 
 # rank adds 0, so the float64 arrives bit for bit whatever the model's dtype (a float32 slot would turn
 # weight=1e39 into inf).
 _WEIGHT_PIECES = tuple(f"weight_{k}" for k in range(4))
-_FIELDS = ("m", *_WEIGHT_PIECES, "status", "mode", "nonfinite")
+# The accumulator's identity (serial, fingerprint: see gradagg.torch.accumulate.lifetime), 32 bits each, in 16-bit
+# pieces too: every rank reads every rank's, so ranks that finish different accumulators all refuse.
+_IDENTITY_PIECES = tuple(f"identity_{k}" for k in range(4))
+_FIELDS = ("m", *_WEIGHT_PIECES, "status", "mode", "nonfinite", *_IDENTITY_PIECES)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Counts:
         status: each rank's status code (0: fine).
         modes: each rank's weighting code (see ``ledger.WEIGHTING``).
         nonfinite: ranks whose local gradient sums were not finite (checked only with ``nonfinite="raise"``).
+        identities: each rank's accumulator identity ``(serial, fingerprint)``, both below 2**32.
     """
 
     participation: list[int]
@@ -55,6 +59,7 @@ class Counts:
     status: list[int]
     modes: list[int]
     nonfinite: list[int]
+    identities: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -297,11 +302,16 @@ class FlatLayout:
         if nonfinite is not None:
             heads[:, self._pos("nonfinite") + self.rank] = nonfinite.to(self.dtype)
 
-    def local_counters(self, participation: list[int], m: int, weight: float, status: int, mode: int) -> list[float]:
+    def local_counters(
+        self, participation: list[int], m: int, weight: float, status: int, mode: int,
+        identity: tuple[int, int] = (0, 0),
+    ) -> list[float]:
         """This rank's counter values: participation, then its own slot of each per-rank field (others zero)."""
         values = [float(p) for p in participation] + [0.0] * (len(_FIELDS) * self.world)
         bits = struct.unpack("<Q", struct.pack("<d", weight))[0]
         pieces = [(name, (bits >> (16 * k)) & 0xFFFF) for k, name in enumerate(_WEIGHT_PIECES)]
+        ident = (identity[0] & 0xFFFFFFFF) | (identity[1] & 0xFFFFFFFF) << 32
+        pieces += [(name, (ident >> (16 * k)) & 0xFFFF) for k, name in enumerate(_IDENTITY_PIECES)]
         for name, v in (("m", m), *pieces, ("status", status), ("mode", mode)):
             values[self._pos(name) + self.rank] = float(v)
         return values
@@ -310,17 +320,18 @@ class FlatLayout:
         """The reduced counters (after the last bucket's collective)."""
         meta = self.received(flat, out, len(self.buckets) - 1)[: self.n_counters].tolist()
 
-        def field(name: str) -> list[float]:
+        def slots(name: str) -> list[float]:
             p = self._pos(name)
             return [float(v) for v in meta[p : p + self.world]]
 
         return Counts(
             participation=[round(v) for v in meta[: self.n_params]],
-            per_rank=[round(v) for v in field("m")],
-            weights=[_weight(pieces) for pieces in zip(*(field(name) for name in _WEIGHT_PIECES))],
-            status=[round(v) for v in field("status")],
-            modes=[round(v) for v in field("mode")],
-            nonfinite=[r for r, v in enumerate(field("nonfinite")) if v != 0],
+            per_rank=[round(v) for v in slots("m")],
+            weights=[_weight(pieces) for pieces in zip(*(slots(name) for name in _WEIGHT_PIECES))],
+            status=[round(v) for v in slots("status")],
+            modes=[round(v) for v in slots("mode")],
+            nonfinite=[r for r, v in enumerate(slots("nonfinite")) if v != 0],
+            identities=[_identity(pieces) for pieces in zip(*(slots(name) for name in _IDENTITY_PIECES))],
         )
 
     def _pos(self, name: str) -> int:
@@ -331,6 +342,12 @@ def _weight(pieces: tuple[float, ...]) -> float:
     """A rank's float64 total weight from its four 16-bit pieces (see ``_FIELDS``)."""
     bits = sum(round(v) << (16 * k) for k, v in enumerate(pieces))
     return float(struct.unpack("<d", struct.pack("<Q", bits))[0])
+
+
+def _identity(pieces: tuple[float, ...]) -> tuple[int, int]:
+    """A rank's accumulator identity ``(serial, fingerprint)`` from its four 16-bit pieces."""
+    bits = sum(round(v) << (16 * k) for k, v in enumerate(pieces))
+    return bits & 0xFFFFFFFF, bits >> 32
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:

@@ -52,13 +52,15 @@ def open_window(state: State, *, empty: bool = False) -> None:
 def install(state: State) -> None:
     """Hook every parameter: plain ones take their gradient into the buffer (:func:`taken`: not a padding
     microbatch's); under the shards form, FSDP hands its reduced shards to the sharded ones; register the
-    accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients)."""
+    accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients); compare the
+    parameters with the other ranks' (:func:`check_layout`)."""
     state.extra_hooks.append(guard.register(state))
     for i, t in enumerate(state.tensors):
         if i not in state.sharded:
             hooks.hook(state, t, i, taken)
         elif state.every_microbatch():
             hooks.hook(state, t, i, shards.on_shard)  # FSDP calls it with each microbatch's reduced shard
+    check_layout(state)
 
 
 def taken(state: State, i: int, param: torch.Tensor) -> None:
@@ -93,8 +95,9 @@ def check_params(state: State) -> None:
 def check_layout(state: State) -> None:
     """Every rank must lay out the same parameters in the same order, or the sums would mix them.
 
-    Done when the first window opens, before any bucket can leave (on a rank with microbatches, during
-    its last backward; on one without, in finish()): so it is the first collective of every rank.
+    Done at construction, where every rank is: the accumulator's first collective on every rank. (Done when the
+    first window opened, it met another accumulator's collective on a rank whose first window opened later, one
+    with no microbatch of it: with several accumulators per process the ranks' collectives then paired wrongly.)
     Named parameters are compared by name, shape and dtype. Unnamed ones (bare tensors) are matched by
     position, so their values are compared too (replicas hold the same values): tensors given in another
     order on another rank are refused, and two unnamed tensors that nothing tells apart (same shape,

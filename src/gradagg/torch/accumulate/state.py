@@ -17,6 +17,7 @@ import torch
 
 from gradagg.errors import GradaggError
 from gradagg.options import NonFinite
+from gradagg.torch.accumulate import lifetime
 from gradagg.torch.accumulate.ddp import DdpHold, ddp_group
 from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
 from gradagg.torch.accumulate.fsdp import FsdpParams, Mode, check_mode
@@ -63,6 +64,10 @@ class State:
         padding: a padding microbatch is running (its gradients are dropped before FSDP or the buffer sees them).
         kept: the root module's last forward inputs ``(args, kwargs)``, replayed by ``pad="replay"``.
         padded_last: how many padding microbatches this rank ran in the last finished window.
+        identity: ``(serial, fingerprint)``, the same on every rank for the same accumulator (see :func:`identify`);
+            it travels with the window's counters so that ranks finishing different accumulators all refuse.
+        site: where the user's code built it (``file:line``), to name it in messages.
+        finished: windows finished so far (the same count on every rank), read by the guard.
     """
 
     params: Params
@@ -86,6 +91,9 @@ class State:
     kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     padded_last: int = 0
     pad_failure: str | None = None  # a padding microbatch failed here; told at the next round (see .padding)
+    identity: tuple[int, int] = (0, 0)
+    finished: int = 0
+    site: str = "?"
 
     @property
     def names(self) -> list[str]:
@@ -99,6 +107,10 @@ class State:
         # read in every hook call: computed once (a DTensor check per parameter otherwise)
         self.sharded: frozenset[int] = frozenset(self.params.sharded) if self.fsdp is not None else frozenset()
         self.external: frozenset[int] = self.sharded if self.every_microbatch() else frozenset()
+
+    def label(self) -> str:
+        """The accumulator as messages name it: ``accumulator #serial (built at site, over N parameters)``."""
+        return f"accumulator #{self.identity[0]} (built at {self.site}, over {len(self.tensors)} parameters)"
 
     def every_microbatch(self) -> bool:
         """Whether FSDP2 reduces each microbatch itself (``fsdp="shards"``, formerly ``"every_microbatch"``)."""
@@ -149,11 +161,14 @@ def build(
         )
     if not (pad is None or pad == "replay" or callable(pad)):
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
+    site = lifetime.user_site()
+    lifetime.refuse_shared(params.names, params.tensors, site)
     fsdp_side = _fsdp_side(params, fsdp, group)
     # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
     ddp = DdpHold(params.ddp, group, params.local) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
     state.pad = pad
+    state.site, state.identity = site, lifetime.identify(params.names, params.tensors, get_world_size(group))
     return state
 
 

@@ -1,0 +1,99 @@
+"""An accumulator's lifetime and identity: one live accumulator per parameter, released when dropped, named alike
+on every rank.
+
+* **Released when dropped.** The hooks on the parameters hold the :class:`~.state.State`, never the public
+  :class:`~gradagg.torch.MicrobatchAccumulator`, and nothing the state holds refers back to it; a
+  ``weakref.finalize`` on the public object runs :func:`release` (what ``close()`` does) when its last reference
+  goes. So an accumulator built in a step function and dropped on return (nanoGPT's loop) removes its hooks and
+  leaves the guard (:mod:`gradagg.torch.guard`) at once, as ``close()`` would.
+* **One per parameter.** Two live accumulators over one parameter cannot both count it (the first hook takes the
+  gradient, the second finds none): the second is refused at construction, naming both (:func:`refuse_shared`).
+* **The same name on every rank.** Ranks must finish the same accumulator in each collective. Its identity is
+  ``(serial, fingerprint)``: the layout's fingerprint (names, shapes, dtypes, world size) and how many
+  accumulators of that layout this process built before it. Built in the same order on every rank, the same
+  accumulator has the same identity; it travels with the window's counters (:mod:`.flat`) and the guard's
+  agreement, so that a rank finishing another accumulator makes every rank refuse.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradagg.errors import GradaggError
+from gradagg.torch import guard
+
+if TYPE_CHECKING:
+    from gradagg.torch.accumulate.state import State
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # src/gradagg
+_serials: dict[int, int] = {}  # layout fingerprint -> accumulators of that layout built in this process
+
+
+def user_site() -> str:
+    """``file:line`` of the innermost frame outside gradagg: where the user's code built the accumulator."""
+    for frame, line in traceback.walk_stack(None):
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_PACKAGE + os.sep) and "contextlib" not in path:
+            return f"{os.path.basename(path)}:{line}"
+    return "?"
+
+
+def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], world: int) -> tuple[int, int]:
+    """``(serial, fingerprint)`` of a new accumulator (see the module docstring); counts it.
+
+    >>> a = identify(["w"], [torch.zeros(2)], 1); b = identify(["w"], [torch.zeros(2)], 1)
+    >>> b[0] - a[0], a[1] == b[1]
+    (1, True)
+    """
+    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)] + [world])
+    fingerprint = zlib.crc32(text.encode())
+    serial = _serials.get(fingerprint, 0)
+    _serials[fingerprint] = serial + 1
+    return serial, fingerprint
+
+
+def refuse_shared(names: Sequence[str], tensors: Sequence[torch.Tensor], site: str) -> None:
+    """Refuse a new accumulator over a parameter that a live one holds.
+
+    Raises:
+        GradaggError: naming the parameter, the live accumulator and where each was built.
+    """
+    clash = guard.holder_of(tensors)
+    if clash is not None:
+        gc.collect()  # a dropped accumulator caught in a reference cycle: collected, it releases its parameters
+        clash = guard.holder_of(tensors)
+    if clash is None:
+        return
+    other, i, k = clash
+    raise GradaggError(
+        f"parameter {names[k]!r} is already accumulated by {other.label()} (as {other.names[i]!r}); a second live "
+        f"accumulator over it, built at {site}, would find no gradient to count (the first's hook takes it): "
+        "close() the first, or drop every reference to it before building the new one (in a loop, "
+        "`acc = MicrobatchAccumulator(model)` keeps the previous one alive until the new one is built: `del acc` first)"
+    )
+
+
+def release(state: State) -> None:
+    """Remove every hook, leave the guard, give DDP and FSDP2 their own synchronisation back (once)."""
+    if state.closed:
+        return
+    state.closed = True
+    for _, h in state.hooked.values():
+        h.remove()
+    for h in state.extra_hooks:
+        h.remove()
+    state.hooked, state.extra_hooks = {}, []
+    if state.ddp is not None:
+        state.ddp.release()
+    if state.fsdp is not None:
+        state.fsdp.restore()
+
+
+__all__ = ["identify", "refuse_shared", "release", "user_site"]
