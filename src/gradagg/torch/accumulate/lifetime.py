@@ -9,10 +9,10 @@ on every rank.
 * **One per parameter.** Two live accumulators over one parameter cannot both count it (the first hook takes the
   gradient, the second finds none): the second is refused at construction, naming both (:func:`refuse_shared`).
 * **The same name on every rank.** Ranks must finish the same accumulator in each collective. Its identity is
-  ``(serial, fingerprint)``: the layout's fingerprint (names, shapes, dtypes, world size) and how many
-  accumulators of that layout this process built before it. Built in the same order on every rank, the same
-  accumulator has the same identity; it travels with the window's counters (:mod:`.flat`) and the guard's
-  agreement, so that a rank finishing another accumulator makes every rank refuse.
+  ``(serial, fingerprint)``: the layout's fingerprint (names, shapes, dtypes, the group's ranks) and how many
+  accumulators of that layout over that group this process built before it. Built in the same order on every rank
+  of the group, the same accumulator has the same identity; it travels with the window's counters (:mod:`.flat`)
+  and the guard's agreement, so that a rank finishing another accumulator makes every rank refuse.
 """
 
 from __future__ import annotations
@@ -45,14 +45,18 @@ def user_site() -> str:
     return "?"
 
 
-def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], world: int) -> tuple[int, int]:
+def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], ranks: Sequence[int]) -> tuple[int, int]:
     """``(serial, fingerprint)`` of a new accumulator (see the module docstring); counts it.
 
-    >>> a = identify(["w"], [torch.zeros(2)], 1); b = identify(["w"], [torch.zeros(2)], 1)
+    The group's ranks are part of the fingerprint, so that the serial counts the accumulators built over that
+    group alone: a rank that also builds accumulators over another group (DDP on subgroups) keeps the same
+    serials as the other members of each group.
+
+    >>> a = identify(["w"], [torch.zeros(2)], (0,)); b = identify(["w"], [torch.zeros(2)], (0,))
     >>> b[0] - a[0], a[1] == b[1]
     (1, True)
     """
-    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)] + [world])
+    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)] + [tuple(ranks)])
     fingerprint = zlib.crc32(text.encode())
     serial = _serials.get(fingerprint, 0)
     _serials[fingerprint] = serial + 1
