@@ -78,46 +78,89 @@ def test_two_live_accumulators_over_one_parameter_are_refused() -> None:
 def test_overlap_of_bare_tensors_is_refused() -> None:
     a = torch.zeros(2, requires_grad=True)
     acc = MicrobatchAccumulator([("a", a)])
-    with pytest.raises(GradaggError, match="already accumulated"):
+    with acc.microbatch(), pytest.raises(GradaggError, match="already accumulated"):
         MicrobatchAccumulator([("b", torch.zeros(1, requires_grad=True)), ("a2", a)])
+    acc.discard()
+    acc.close()
+
+
+def test_an_accumulator_per_step_at_the_top_level() -> None:
+    """`acc = MicrobatchAccumulator(model)` at the top of every step of a loop: the previous one, still named by
+    `acc` while the new one is built but holding no window, is closed by it (its later use refused, naming why),
+    and every window is the plain mean of its microbatches (the second step used to be refused)."""
+    model = w.TinyMoE()
+    batches = w.microbatches(4, seed=3)
+    old = None
+    for step in range(3):
+        acc = MicrobatchAccumulator(model)
+        if old is not None:
+            with pytest.raises(GradaggError, match="closed.*newer accumulator"):
+                old.microbatch().__enter__()
+        model.zero_grad(set_to_none=True)
+        chosen = batches[step:step + 2]
+        for b in chosen:
+            with acc.microbatch():
+                w.loss_of(model, b).backward()
+        acc.finish()
+        names = {n for n, _ in model.named_parameters()}
+        assert w.max_error(w.grads_of(model), _mean_grads(chosen, names)) <= TOL, step
+        old = acc
     acc.close()
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_accumulators_dropped_nested_and_several(seed: int) -> None:
     """Random programs over three models (two sharing the same parameter names): accumulators built, dropped,
-    closed and used in any order. Oracle: construction is refused iff a live accumulator holds one of the
-    parameters; every finished window is the plain mean of its microbatches; a clip over a model that no live
-    accumulator holds with an open window passes."""
+    closed, opened and used in any order. Oracle: construction is refused iff a live accumulator holds one of the
+    parameters with a window open; a live one holding no window is closed by the new one (its use then refused);
+    every finished window is the plain mean of its microbatches; a clip over a model that no live accumulator
+    holds with an open window passes."""
     print(f"seed {seed}")
     rng = random.Random(seed)
     models = [w.TinyMoE() for _ in range(3)]
     live: dict[int, MicrobatchAccumulator] = {}
+    opened: dict[int, list[w.Batch]] = {}  # model -> the microbatches of its accumulator's open window
     batches = w.microbatches(6, seed=seed + 1)
     for step in range(30):
         k = rng.randrange(3)
-        op = rng.choice(["build", "build", "drop", "close", "window", "window", "clip"])
+        op = rng.choice(["build", "build", "drop", "close", "window", "window", "clip", "open"])
         where = f"seed {seed} step {step} {op} model {k}"
         if op == "build":
             part = models[k] if rng.random() < 0.7 else models[k].experts
-            refused = k in live
+            refused = k in opened
             try:
                 built = MicrobatchAccumulator(part)
             except GradaggError as exc:
                 assert refused, f"{where}: {exc}"
                 continue
-            assert not refused, f"{where}: built over a held model"
+            assert not refused, f"{where}: built over a model held with a window open"
+            if k in live:
+                old = live.pop(k)
+                with pytest.raises(GradaggError, match="closed by a newer accumulator"):
+                    old.finish()
+                del old
             live[k], built = built, None  # type: ignore[assignment]  # only `live` may hold it: drops are checked
+        elif op == "open" and k in live and k not in opened:
+            models[k].zero_grad(set_to_none=True)
+            with live[k].microbatch():
+                w.loss_of(models[k], batches[0]).backward()
+            opened[k] = [batches[0]]
         elif op == "drop" and k in live:
+            opened.pop(k, None)
             ref = weakref.ref(live.pop(k).state)
             assert ref() is None, where
         elif op == "close" and k in live:
+            if k in opened:
+                live[k].discard()
+                del opened[k]
             live.pop(k).close()
         elif op == "window" and k in live:
             model = models[k]
-            chosen = rng.sample(batches, rng.randint(1, 3))
-            model.zero_grad(set_to_none=True)
-            for b in chosen:
+            new = rng.sample(batches, rng.randint(1, 3))
+            if k not in opened:
+                model.zero_grad(set_to_none=True)
+            chosen = opened.pop(k, []) + new
+            for b in new:
                 with live[k].microbatch():
                     w.loss_of(model, b).backward()
             live[k].finish()
@@ -125,10 +168,15 @@ def test_accumulators_dropped_nested_and_several(seed: int) -> None:
             got = {n: g for n, g in w.grads_of(model).items() if n in mine}
             want = _mean_grads(chosen, mine)
             assert w.max_error(got, want) <= TOL, where
+        elif op == "clip" and k in opened:
+            with pytest.raises(GradaggError, match="clip"):
+                torch.nn.utils.clip_grad_norm_(models[k].parameters(), 1.0)  # a window open: refused
         elif op == "clip":
             models[k].zero_grad(set_to_none=True)
             torch.nn.utils.clip_grad_norm_(models[k].parameters(), 1.0)  # no window open: passes
-    for left in live.values():
+    for k, left in live.items():
+        if k in opened:
+            left.discard()
         left.close()
     gc.collect()
 

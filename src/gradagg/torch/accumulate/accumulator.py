@@ -317,6 +317,11 @@ class MicrobatchAccumulator:
         return self.ledger.report()
 
     def _open_state(self) -> State:
+        if self._state.superseded is not None:
+            raise WindowError(
+                f"{self._state.label()} was closed by a newer accumulator over its parameters, built at "
+                f"{self._state.superseded} while this one held no window; use the newer one"
+            )
         if self._state.closed:
             raise WindowError("this accumulator was closed (its hooks are gone); create a new one")
         return self._state

@@ -64,7 +64,9 @@ def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], ranks: Seque
 
 
 def refuse_shared(names: Sequence[str], tensors: Sequence[torch.Tensor], site: str) -> None:
-    """Refuse a new accumulator over a parameter that a live one holds.
+    """Refuse a new accumulator over a parameter that a live one holds with a window open; close a live one that
+    holds no window (it counts nothing now, and a loop's ``acc = MicrobatchAccumulator(model)`` still names the
+    previous step's while the new one is built): its later use is refused, naming why.
 
     Raises:
         GradaggError: naming the parameter, the live accumulator and where each was built.
@@ -73,14 +75,17 @@ def refuse_shared(names: Sequence[str], tensors: Sequence[torch.Tensor], site: s
     if clash is not None:
         gc.collect()  # a dropped accumulator caught in a reference cycle: collected, it releases its parameters
         clash = guard.holder_of(tensors)
+    while clash is not None and not clash[0].window.open:
+        clash[0].superseded = site
+        release(clash[0])
+        clash = guard.holder_of(tensors)
     if clash is None:
         return
     other, i, k = clash
     raise GradaggError(
         f"parameter {names[k]!r} is already accumulated by {other.label()} (as {other.names[i]!r}); a second live "
-        f"accumulator over it, built at {site}, would find no gradient to count (the first's hook takes it): "
-        "close() the first, or drop every reference to it before building the new one (in a loop, "
-        "`acc = MicrobatchAccumulator(model)` keeps the previous one alive until the new one is built: `del acc` first)"
+        f"accumulator over it, built at {site}, would find no gradient to count (the first's hook takes it, and its "
+        "window is open): finish() or discard() the first before building the new one"
     )
 
 

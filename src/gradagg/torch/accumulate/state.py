@@ -95,6 +95,7 @@ class State:
     identity: tuple[int, int] = (0, 0)
     finished: int = 0
     site: str = "?"
+    superseded: str | None = None  # where the newer accumulator that closed this one was built (see .lifetime)
 
     @property
     def names(self) -> list[str]:
