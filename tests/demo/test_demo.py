@@ -220,7 +220,8 @@ def test_without_torch_the_demo_is_one_line_exit_2_with_the_install_hint() -> No
     proc = _demo_without("torch")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("gradagg: error: gradagg demo needs torch: pip install -e '.[torch]' in a clone of gradagg")
+    hint = "pip install -e '.[torch]' in a clone of gradagg"
+    assert proc.stderr.startswith(f"gradagg: error: gradagg demo needs torch: {hint}")
 
 
 def test_without_matplotlib_the_demo_runs_and_says_the_plot_is_skipped(tmp_path: Path) -> None:
