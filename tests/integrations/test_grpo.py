@@ -30,6 +30,7 @@ from tests.integrations.workers import grpo, hf  # noqa: E402
 TOLERANCE = 1e-5
 LOG_TOLERANCE = 1e-5
 
+SWEEP_SEED = 23  # the seeded sweep's configurations: printed by test_a_seeded_sweep_of_configurations_is_exact
 CONFIGS: dict[str, grpo.Case] = {
     "grpo": {"loss_type": "grpo", "spg": 4, "ga": 2, "beta": 0.1},
     "grpo_masked": {"loss_type": "grpo", "spg": 2, "ga": 2, "mask_truncated": True},
@@ -41,6 +42,7 @@ CONFIGS: dict[str, grpo.Case] = {
 CASES: dict[str, grpo.Case] = {
     **{f"exact/{name}": {**config, "exact": True} for name, config in CONFIGS.items()},
     **{f"native/{name}": config for name, config in CONFIGS.items()},
+    **{f"sweep/{k}": config for k, config in enumerate(grpo.sweep(SWEEP_SEED, 4))},
     "refused/weight": {"loss_type": "dapo", "exact": True, "weight": True},
     "refused/sapo": {"loss_type": "sapo", "exact": True},
     "refused/entropy": {"loss_type": "dapo", "exact": True, "entropy_coef": 0.01},
@@ -73,6 +75,14 @@ def test_logged_loss_is_the_modes_value(world: dict[str, Any], name: str) -> Non
     assert len(got["logs"]) == len(got["steps"]), got["logs"]
     for log, step in zip(got["logs"], got["steps"], strict=True):
         assert math.isclose(log["loss"], step["loss"], rel_tol=LOG_TOLERANCE, abs_tol=1e-7), (log, step)
+
+
+def test_a_seeded_sweep_of_configurations_is_exact(world: dict[str, Any]) -> None:
+    """The class: loss type, steps_per_generation, GA, num_iterations, beta, fully masked completions, drawn."""
+    for name in (n for n in CASES if n.startswith("sweep/")):
+        errors = [s["error"] for s in world[name]["steps"]]
+        print(f"sweep seed {SWEEP_SEED}: {CASES[name]}: errors {errors}")
+        assert len(errors) == grpo.STEPS and max(errors) < TOLERANCE, (SWEEP_SEED, CASES[name], world[name])
 
 
 def test_completion_lengths_differ_per_step_and_rank(world: dict[str, Any]) -> None:

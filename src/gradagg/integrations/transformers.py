@@ -153,6 +153,9 @@ class _Exact:
                 stack.enter_context(acc.microbatch(weight=self.pending, last=last))
             try:
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
+                if self.open_late is not None:  # the same code on every rank: every rank raises here
+                    raise GradaggError(f"step {step}: {type(self.trainer).__name__}.training_step did not call "
+                                       "compute_loss: exact() could not count the microbatch")
             finally:
                 self.pending, self.open_late = None, None
         part = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))

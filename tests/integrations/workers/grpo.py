@@ -7,12 +7,14 @@ lengths differ per row, per microbatch and per rank. An offline reward (the comp
 advantages. A recorder wraps ``compute_loss`` (after ``exact()``: it sees the microbatch TRL prepared) and keeps every
 row: prompt and completion ids and masks, advantage, TRL's old and reference log-probabilities where TRL computed
 them; at every ``on_pre_optimizer_step`` it gathers the step's rows of both ranks with the gradient and the
-parameters. Rank 0 recomputes each step in one process in float64 (:func:`truth`): GRPO's per-token clipped objective
-(or CISPO's) plus ``beta`` times the KL term (times the importance ratio: TRL's default ``use_bias_correction_kl``), aggregated over the step's rows by the ``loss_type``'s mode.
+parameters. Rank 0 recomputes each step in one process in float64 (:func:`score`): GRPO's per-token clipped objective
+(or CISPO's) plus ``beta`` times the KL term (times the importance ratio: TRL's default ``use_bias_correction_kl``),
+aggregated over the step's rows by the ``loss_type``'s mode (:func:`mode_value`, the oracle).
 
 A case is a dict: ``loss_type``, ``exact`` (apply exact()), ``spg`` (``steps_per_generation``), ``ga``
 (``gradient_accumulation_steps``), ``iters`` (``num_iterations``), ``beta``, ``epsilon_high``, ``mask_truncated``
-(``mask_truncated_completions``: fully masked completions), ``entropy_coef``, ``weight`` (pass ``weight=len``).
+(``mask_truncated_completions``: fully masked completions), ``entropy_coef``, ``weight`` (pass ``weight=len``),
+``seed`` (the Trainer's: the sampled completions).
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ STEPS = 2
 KEPT = [tl.PAD + 2] + list(range(120, 128))  # the end-of-sequence token (t2) and 8 others: lengths 1 to 6
 MODES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
          "dapo": "token-mean", "cispo": "token-mean"}
+
+
+def sweep(seed: int, count: int) -> list[Case]:
+    """``count`` configurations drawn from ``seed``: every loss type, window against generation batch, iterations."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"loss_type": rng.choice(list(MODES)), "spg": rng.randint(1, 4), "ga": rng.randint(1, 4),
+             "iters": rng.choice([1, 2]), "beta": rng.choice([0.0, 0.05]), "mask_truncated": rng.random() < 0.3,
+             "seed": rng.randrange(1000), "exact": True} for _ in range(count)]
 
 
 def _row(inputs: dict[str, Any], i: int) -> dict[str, Any]:
@@ -74,7 +86,7 @@ def build_trainer(case: Case, out: str) -> Any:
         steps_per_generation=case.get("spg", 2), num_iterations=case.get("iters", 1), beta=case.get("beta", 0.0),
         loss_type=case["loss_type"], num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION,
         generation_kwargs={"suppress_tokens": suppress}, max_steps=STEPS, learning_rate=0.05, max_grad_norm=0.0,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=7,
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=case.get("seed", 7),
         lr_scheduler_type="constant", ddp_timeout=60, bf16=False, epsilon_high=case.get("epsilon_high"),
         entropy_coef=case.get("entropy_coef", 0.0), mask_truncated_completions=case.get("mask_truncated", False),
     )
