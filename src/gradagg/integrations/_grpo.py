@@ -62,7 +62,8 @@ def check_grpo(trainer: Any, version: str | None = None) -> None:
     loss_type = getattr(trainer, "loss_type", None)
     if loss_type not in MODES:
         reasons.append(f"loss_type {loss_type!r} (supported: {', '.join(MODES)})")
-    if getattr(trainer, "_entropy_bonus_enabled", False):
+    args = getattr(trainer, "args", None)  # GRPOConfig's public fields, as GRPOTrainer.__init__ reads them
+    if getattr(args, "entropy_coef", 0.0) or getattr(args, "use_adaptive_entropy", False):
         reasons.append("an entropy bonus (entropy_coef: a per-microbatch token mean added to the loss)")
     if getattr(trainer, "aux_loss_enabled", False):
         reasons.append("a MoE router auxiliary loss (a per-microbatch mean added to the loss)")

@@ -86,8 +86,9 @@ def build_trainer(case: Case, out: str) -> Any:
         steps_per_generation=case.get("spg", 2), num_iterations=case.get("iters", 1), beta=case.get("beta", 0.0),
         loss_type=case["loss_type"], num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION,
         generation_kwargs={"suppress_tokens": suppress}, max_steps=STEPS, learning_rate=0.05, max_grad_norm=0.0,
-        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=case.get("seed", 7),
-        lr_scheduler_type="constant", ddp_timeout=60, bf16=False, epsilon_high=case.get("epsilon_high"),
+        logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        seed=case.get("seed", 7), lr_scheduler_type="constant", ddp_timeout=60, bf16=False,
+        epsilon_high=case.get("epsilon_high"),
         entropy_coef=case.get("entropy_coef", 0.0), mask_truncated_completions=case.get("mask_truncated", False),
     )
     prompts = Dataset.from_list([{"prompt": f"t{5 + i} t6 "} for i in range(64)])  # 2 tokens each: no left padding
