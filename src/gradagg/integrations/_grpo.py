@@ -20,6 +20,10 @@ dapo      token-mean                generation batch's global tokens / ranks x G
 cispo     token-mean                as dapo
 ========  ========================  ==================================================================
 
+``bnpo`` is documented by TRL as a token mean over the *local* batch, which "may slightly vary depending on the local
+batch size, despite a constant effective batch size": that dependence on the split is what ``exact()`` removes, so
+``bnpo`` is made the token mean over the window on all ranks, the same value as ``dapo``'s documented "global
+accumulated batch" (keep TRL's own ``bnpo`` by not calling ``exact()``).
 A completion that is fully masked (``mask_truncated_completions``) counts in no divisor (TRL counts it among the
 rows for ``grpo`` and ``dr_grpo``). The divisors above are TRL's implementation, not its API: they are pinned to the
 TRL versions in :data:`TESTED` and any other version is refused at ``exact()``, as are the configurations whose loss

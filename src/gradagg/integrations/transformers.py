@@ -99,7 +99,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     if kind == "grpo" and weight is not None:
         raise GradaggError(f"exact() counts this {type(trainer).__name__}'s completions by its loss_type "
                            f"({trainer.loss_type!r}); it takes no weight=")
-    count = weight or default_weight(kind) or (_no_count if kind == "grpo" else _default_weight(trainer))
+    count = weight if weight is not None else (
+        default_weight(kind) or (_no_count if kind == "grpo" else _default_weight(trainer)))
     hold = _Exact(trainer, count, kind)
     trainer.compute_loss = hold.compute_loss
     if hold.user_loss_func is not None:
