@@ -4,8 +4,8 @@ DPO: the tiny Llama against a frozen copy of itself, 5 microbatches per rank of 
 collator drops the rest: uneven pairs per microbatch and per step; the same on both ranks at the same microbatch,
 as TRL's own per-microbatch gather of per-pair rewards needs), windows of 3 then 2; every step's gradient against the
 float64 one-process mean over the step's pairs of DPO's sigmoid loss, TRL's own gradient beside it. Refused at
-exact(), on every rank, before training: GRPO (also with ``weight=lambda inputs: len(inputs)``, silently 1/3 of the
-truth before), RLOO, DPO with a loss that is not a per-pair mean. Refused at ``on_train_begin``, on every rank, with
+exact(), on every rank, before training: RLOO, DPO with a loss that is not a per-pair mean (GRPO, exact since
+issue 23: tests/integrations/test_grpo.py). Refused at ``on_train_begin``, on every rank, with
 a short timeout so a regression fails instead of hanging: SFT and DPO on ranks running 6 and 5 microbatches
 (Accelerate's ``even_batches=False``), where TRL's per-microbatch metric gathers would meet gradagg's ``finish()``.
 """
@@ -37,8 +37,6 @@ WORLD = {**hf.WORLD, "collective_timeout_s": 15.0, "timeout_s": 420.0}
 CASES: dict[str, prefs.Case] = {
     "dpo/exact": {"trainer": "dpo", "exact": True},
     "dpo/native": {"trainer": "dpo"},
-    "refused/grpo": {"trainer": "grpo", "exact": True},
-    "refused/grpo_weight": {"trainer": "grpo", "exact": True, "weight": "len"},
     "refused/rloo": {"trainer": "rloo", "exact": True},
     "refused/dpo_sft_loss": {"trainer": "dpo", "exact": True, "loss_type": ["sigmoid", "sft"]},
     "uneven/sft": {"trainer": "sft", "exact": True, "uneven": True},
@@ -76,10 +74,7 @@ def test_dpo_logged_loss_is_the_mean_over_pairs(world: dict[str, Any]) -> None:
         assert math.isclose(log["loss"], step["loss"], rel_tol=LOG_TOLERANCE), (log, step)
 
 
-@pytest.mark.parametrize(("case", "trainer", "algo"), [
-    ("refused/grpo", "GRPOTrainer", "GRPO"), ("refused/grpo_weight", "GRPOTrainer", "GRPO"),
-    ("refused/rloo", "RLOOTrainer", "RLOO"),
-])
+@pytest.mark.parametrize(("case", "trainer", "algo"), [("refused/rloo", "RLOOTrainer", "RLOO")])
 def test_rl_trainers_are_refused_at_exact_on_every_rank(world: dict[str, Any], case: str, trainer: str,
                                                         algo: str) -> None:
     refused = world[case]["refused"]
@@ -108,7 +103,7 @@ def test_uneven_microbatches_per_rank_are_refused_before_training(world: dict[st
 
 def test_every_trl_trainer_class_is_supported_or_refused_by_name() -> None:
     """The class: every Trainer subclass TRL defines (its main and experimental modules that import here) is
-    SFT or DPO, or refused at exact() naming it; a user's subclass of SFTTrainer is an SFTTrainer."""
+    SFT, DPO or GRPO, or refused at exact() naming it; a user's subclass of SFTTrainer is an SFTTrainer."""
     import importlib
     import pkgutil
 
@@ -128,12 +123,14 @@ def test_every_trl_trainer_class_is_supported_or_refused_by_name() -> None:
             continue
         classes |= {c for c in vars(module).values()
                     if isinstance(c, type) and issubclass(c, Trainer) and c.__module__.startswith("trl.")}
-    supported = {"trl.trainer.sft_trainer.SFTTrainer": "sft", "trl.trainer.dpo_trainer.DPOTrainer": "dpo"}
+    supported = {"trl.trainer.sft_trainer.SFTTrainer": "sft", "trl.trainer.dpo_trainer.DPOTrainer": "dpo",
+                 "trl.trainer.grpo_trainer.GRPOTrainer": "grpo"}
     assert set(supported) <= {f"{c.__module__}.{c.__qualname__}" for c in classes}, classes
     assert len(classes) >= 10, sorted(c.__name__ for c in classes)
     for cls in classes:
         bare = object.__new__(cls)
         bare.loss_types = ["sigmoid"]  # what DPOTrainer.__init__ would set from DPOConfig's default
+        bare.loss_type = "dapo"  # what GRPOTrainer.__init__ would set from GRPOConfig's default
         name = f"{cls.__module__}.{cls.__qualname__}"
         if name in supported:
             assert check_trl(bare) == supported[name], name
@@ -149,5 +146,6 @@ def test_a_users_subclass_is_what_it_subclasses() -> None:
     from gradagg.integrations._trl import check_trl
 
     assert check_trl(object.__new__(type("MySFT", (SFTTrainer,), {}))) == "sft"
-    with pytest.raises(GradaggError, match="cannot make this MyGRPO exact: GRPO is not yet supported"):
-        check_trl(object.__new__(type("MyGRPO", (GRPOTrainer,), {})))
+    assert check_trl(object.__new__(type("MyGRPO", (GRPOTrainer,), {"loss_type": "grpo"}))) == "grpo"
+    with pytest.raises(GradaggError, match="cannot make this MyGRPO exact: loss_type 'luspo'"):
+        check_trl(object.__new__(type("MyGRPO", (GRPOTrainer,), {"loss_type": "luspo"})))

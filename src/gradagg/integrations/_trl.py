@@ -10,7 +10,9 @@ By class name and module, so that TRL is never imported here (``exact()`` on a p
   then the rejected completions). The loss types that are not a per-pair mean are refused: ``sft`` (a token mean
   over the microbatch's chosen completions), ``aot`` and ``aot_unpaired`` (they sort the microbatch's pairs, so a
   pair's loss depends on the others in its microbatch).
-* Every other TRL trainer is refused, naming it: GRPO, RLOO and the other online trainers divide their loss by
+* ``GRPOTrainer``: its ``loss_type`` over the window (:mod:`._grpo`); the count is the loss type's, read from the
+  microbatch TRL prepared (its completions), so ``weight=`` is refused.
+* Every other TRL trainer is refused, naming it: RLOO and the other online trainers divide their loss by
   their own counts over the generation batch (gathered across ranks), and their inputs before generation are
   prompts, so a ``weight=`` function would count the wrong thing; KTO estimates its KL term across the ranks'
   microbatch; the distillation, reward, ORPO, CPO, ... trainers are not tested here.
@@ -22,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gradagg.errors import GradaggError
+from gradagg.integrations._grpo import GRPO, check_grpo
 
 SFT = "trl.trainer.sft_trainer.SFTTrainer"
 DPO = "trl.trainer.dpo_trainer.DPOTrainer"
@@ -29,8 +32,6 @@ DPO = "trl.trainer.dpo_trainer.DPOTrainer"
 DPO_PER_PAIR = frozenset({"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
                           "apo_zero", "apo_down", "discopop", "sigmoid_norm"})
 _WHY_NOT = {
-    "GRPO": "its loss is already divided by its own count over the generation batch, gathered across ranks, and "
-            "the inputs a weight= function sees are the prompts, before generation",
     "RLOO": "its loss is already divided by its own count over the generation batch, and the inputs a weight= "
             "function sees are the prompts, before generation",
     "KTO": "its KL term is estimated over every rank's microbatch at once (gathered), not per example",
@@ -46,11 +47,12 @@ def trl_trainer(trainer: Any) -> str | None:
 
 
 def check_trl(trainer: Any) -> str | None:
-    """Refuse a TRL trainer that :func:`exact` does not make exact; return its kind ("sft", "dpo") or None.
+    """Refuse a TRL trainer that :func:`exact` does not make exact; return its kind ("sft", "dpo", "grpo") or None.
 
     Raises:
-        GradaggError: any TRL trainer but ``SFTTrainer`` and ``DPOTrainer``, naming it (GRPO: "not yet
-            supported"); a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean.
+        GradaggError: any TRL trainer but ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, naming it; a
+            ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean; a ``GRPOTrainer`` that
+            :func:`._grpo.check_grpo` refuses.
     """
     found = trl_trainer(trainer)
     if found is None:
@@ -60,12 +62,15 @@ def check_trl(trainer: Any) -> str | None:
     if found == DPO:
         _check_dpo(trainer)
         return "dpo"
+    if found == GRPO:
+        check_grpo(trainer)
+        return "grpo"
     base = found.rsplit(".", 1)[1]
     short = base.removesuffix("Trainer")
     why = next((text for key, text in _WHY_NOT.items() if key in short.upper()), None)
     raise GradaggError(
         f"exact() cannot make this {type(trainer).__name__} exact: {short} is not yet supported ({found}"
-        + (f": {why}" if why else "") + "); exact() supports TRL's SFTTrainer and DPOTrainer"
+        + (f": {why}" if why else "") + "); exact() supports TRL's SFTTrainer, DPOTrainer and GRPOTrainer"
     )
 
 

@@ -45,8 +45,10 @@ A microbatch that counts 0 runs its forward but its backward reaches no paramete
 refused at once; a negative, NaN or infinite one makes ``finish()`` refuse the window on every rank (a ``WindowError``
 naming the step, the rank, the microbatch and the value), and ``train()`` stops there without stepping.
 
-TRL: ``SFTTrainer`` and ``DPOTrainer`` (loss types that are a mean of a per-pair loss) are made exact; every other
-TRL trainer (GRPO, RLOO, KTO, ...) is refused by ``exact()`` itself, naming it (:mod:`gradagg.integrations._trl`).
+TRL: ``SFTTrainer``, ``DPOTrainer`` (loss types that are a mean of a per-pair loss) and ``GRPOTrainer`` (its
+``loss_type`` aggregated over the window, :mod:`gradagg.integrations._grpo`: its microbatch is opened in
+``compute_loss``, once TRL generated and prepared it and its count is known) are made exact; every other TRL trainer
+(RLOO, KTO, ...) is refused by ``exact()`` itself, naming it (:mod:`gradagg.integrations._trl`).
 Their ``compute_loss`` gathers metrics across ranks at every microbatch, so ranks that would run different numbers
 of microbatches (Accelerate's ``even_batches=False``) are refused on every rank at ``on_train_begin``.
 """
@@ -76,8 +78,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
         trainer: a ``transformers.Trainer`` (subclasses included), not yet trained.
         weight: ``fn(inputs)`` giving a microbatch's count (a non-negative number or 0-dim tensor), for a loss
             that is a mean over something else than a causal LM's shifted labels. Default: those labels; the
-            preference pairs for TRL's ``DPOTrainer``. A ``compute_loss_func`` gets this count as
-            ``num_items_in_batch``.
+            preference pairs for TRL's ``DPOTrainer``; the ``loss_type``'s count for ``GRPOTrainer`` (which takes no
+            ``weight=``). A ``compute_loss_func`` gets this count as ``num_items_in_batch``.
 
     Returns:
         ``trainer``, changed in place.
@@ -85,8 +87,9 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
             not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
-            sequence parallelism, a MoE auxiliary loss); a TRL trainer other than ``SFTTrainer`` and ``DPOTrainer``
-            (GRPO: "not yet supported"), a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean; a model or
+            sequence parallelism, a MoE auxiliary loss); a TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and
+            ``GRPOTrainer``, a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
+            ``weight=`` or that :func:`gradagg.integrations._grpo.check_grpo` refuses; a model or
             ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
             every rank: a TRL trainer whose ranks have different numbers of microbatches. During ``train()``: a
             count that is not a number (at once), or a negative, NaN or infinite one (``WindowError`` from the
@@ -95,7 +98,11 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     _check_trainer(trainer)
     _check_setup(trainer)
     kind = check_trl(trainer)  # what TRL trainer this is: refused at once where exact() cannot make it exact
-    count = weight if weight is not None else (default_weight(kind) or _default_weight(trainer))
+    if kind == "grpo" and weight is not None:
+        raise GradaggError(f"exact() counts this {type(trainer).__name__}'s completions by its loss_type "
+                           f"({trainer.loss_type!r}); it takes no weight=")
+    count = weight if weight is not None else (
+        default_weight(kind) or (_no_count if kind == "grpo" else _default_weight(trainer)))
     hold = _Exact(trainer, count, kind)
     trainer.compute_loss = hold.compute_loss
     if hold.user_loss_func is not None:
@@ -121,6 +128,7 @@ class _Exact:
         self.model: Any = None
         self.fsdp_modules: list[Any] = []  # the model's FSDPModules, found once per accumulator
         self.pending: float | None = None  # the count of the microbatch whose training_step is running
+        self.open_late: Callable[[object], object] | None = None  # GRPO: opens the running microbatch, given its count
         self.window_loss: Any = None  # this rank's token-summed loss over the open window (a tensor: no host sync)
         self.finished = False  # whether the current window was finished (reset by the guard at each step)
         self.constant_buffers = False  # DDP need not sync the buffers: all non-persistent, no ddp_broadcast_buffers
@@ -142,15 +150,21 @@ class _Exact:
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
         acc = self.accumulator(model)
         step = self.trainer.state.global_step
-        n = _count(self.count(inputs), step)
         last = bool(self.trainer.accelerator.sync_gradients)
-        self.pending = n
         _resume_fsdp_reduction(self.fsdp_modules)
-        try:
-            with acc.microbatch(weight=n, last=last):
+        with contextlib.ExitStack() as stack:
+            if self.kind == "grpo":  # counted once TRL generated and prepared the microbatch: compute_loss opens it
+                self.open_late = lambda n: stack.enter_context(acc.microbatch(weight=n, last=last))
+            else:
+                self.pending = _count(self.count(inputs), step)
+                stack.enter_context(acc.microbatch(weight=self.pending, last=last))
+            try:
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
-        finally:
-            self.pending = None
+                if self.open_late is not None:  # the same code on every rank: every rank raises here
+                    raise GradaggError(f"step {step}: {type(self.trainer).__name__}.training_step did not call "
+                                       "compute_loss: exact() could not count the microbatch")
+            finally:
+                self.pending, self.open_late = None, None
         part = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self.window_loss = part if self.window_loss is None else self.window_loss + part
         device = self.trainer.args.device
@@ -195,6 +209,8 @@ class _Exact:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if self.open_late is not None:
+            return self.grpo_loss(model, inputs)
         n = self.pending
         if n is None:  # evaluation (prediction_step) or a call outside training_step: the Trainer's own loss
             return self.original_compute_loss(model, inputs, return_outputs=return_outputs,
@@ -203,6 +219,19 @@ class _Exact:
         loss, rest = (out[0], out[1:]) if return_outputs else (out, ())
         summed = loss * n if 0 < n < math.inf else _zero_loss(loss)  # NaN and the rest: refused in finish()
         return (summed, *rest) if return_outputs else summed
+
+    def grpo_loss(self, model: Any, inputs: Any) -> Any:
+        """GRPO's microbatch, opened here with its count: TRL's loss times TRL's divisor, the mode's numerator."""
+        from gradagg.integrations._grpo import grpo_count
+
+        divisor, weight = grpo_count(self.trainer, inputs)
+        open_microbatch, self.open_late = self.open_late, None
+        open_microbatch(weight)  # type: ignore[misc]  # a 0-dim tensor: the accumulator reads it at finish()
+        return self.original_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None) * divisor
+
+
+def _no_count(inputs: Mapping[str, Any]) -> object:
+    raise AssertionError("GRPO's microbatches are counted in compute_loss")
 
 
 def _fsdp_modules(model: Any) -> list[Any]:
