@@ -23,11 +23,12 @@ from tests.integrations.workers import deepspeed_zero as dz  # noqa: E402
 # averaged over 2 ranks in float32, read back as the change of float32 parameters; observed relative errors
 # stay below 1e-6, and DeepSpeed's own recipe is off by more than 40%.
 TOLERANCE = 1e-5
-CLIP = 0.3  # below every window's true gradient norm (asserted): every step clipped
+CLIP = 0.6  # between the windows' true gradient norms (asserted): some steps clipped, some not (a gradient scaled
+# wrongly would hide behind a clip that always acts: its direction is right)
 STAGES = (1, 2, 3)
 SEED = int(os.environ.get("GRADAGG_FUZZ_SEED", random.randrange(2**31)))
 CASES = ([("exact", s, c, 0) for s in STAGES for c in (0.0, CLIP)] + [("native", s, 0.0, 0) for s in STAGES]
-         + [("fuzz", s, CLIP, SEED + s) for s in STAGES])
+         + [("fuzz", s, 0.0, SEED + s) for s in STAGES])
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_every_step_applies_the_global_token_mean(world: list[dict[str, Any]], s
         assert max(case["errors"]) < TOLERANCE, case["errors"]
         assert case["global_steps"] == 3 and case["divisors"] == [16.0, 10.0, 7.0], case
         if clip:
-            assert min(case["true_norms"]) > clip, case["true_norms"]
+            assert min(case["true_norms"]) < clip < max(case["true_norms"]), case["true_norms"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -60,11 +61,11 @@ def test_deepspeeds_own_recipe_is_not_the_token_mean(world: list[dict[str, Any]]
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_random_plans_are_exact(world: list[dict[str, Any]], stage: int) -> None:
-    """Seeded random windows (0-3 microbatches per rank, 0-6 tokens each), clipped; rerun one with
-    GRADAGG_FUZZ_SEED=<seed>."""
+    """Seeded random windows (0-3 microbatches per rank, 0-6 tokens each), unclipped (a clip that acts would
+    hide a wrong scale); rerun one with GRADAGG_FUZZ_SEED=<seed>."""
     print(f"seed {SEED + stage}: plan {dz.random_plan(SEED + stage)}")
     for r in world:
-        case = r[f"fuzz/{stage}/{CLIP}"]
+        case = r[f"fuzz/{stage}/0.0"]
         assert max(case["errors"]) < TOLERANCE, (SEED + stage, case["errors"])
         assert case["global_steps"] == 4, case
 
