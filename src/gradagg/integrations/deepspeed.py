@@ -279,6 +279,11 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
         GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, ``gradient_accumulation_steps``
             other than 1, pipeline, tensor or sequence parallelism, or a DeepSpeed without
             ``coalesce_grad_reduction`` (before 0.19).
+
+    >>> exact(torch.nn.Linear(2, 1))
+    Traceback (most recent call last):
+    ...
+    gradagg.errors.GradaggError: exact(engine): a Linear is not a DeepSpeed 0.19+ engine (no coalesce_grad_reduction)
     """
     problem = _unsupported(engine)
     if problem is not None:
@@ -288,7 +293,7 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
 
 def _unsupported(engine: Any) -> str | None:
     if not hasattr(engine, "coalesce_grad_reduction"):
-        return f"{type(engine).__name__} has no coalesce_grad_reduction(): DeepSpeed 0.19 or later is needed"
+        return f"a {type(engine).__name__} is not a DeepSpeed 0.19+ engine (no coalesce_grad_reduction)"
     stage = int(engine.zero_optimization_stage())
     if stage not in (1, 2, 3):
         return (f"ZeRO stage {stage} is not supported: DeepSpeed's coalesce_grad_reduction(), which keeps a window's "
