@@ -69,7 +69,9 @@ class DeepSpeedAccumulator:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._block: contextlib.ExitStack | None = None
-        self._in_microbatch = False
+        self._in_microbatch, self._touched = False, False
+        self._closed = 0  # windows closed so far
+        self._window_of_microbatch = 0
         self._reset()
         self._step: Callable[..., Any] = engine.step
         self._backward: Callable[..., Any] = engine.backward
@@ -108,19 +110,28 @@ class DeepSpeedAccumulator:
             raise WindowError("acc.microbatch() after finish() and before engine.step()", remedy="call engine.step()")
         value = None if weight is None else check_weight(weight)
         self._open()
-        self._in_microbatch, self._touched = True, False
+        self._count(value, 1)  # counted now: Accelerate calls engine.step() inside the sync microbatch's backward
+        self._in_microbatch, self._touched, window = True, False, self._closed
+        self._window_of_microbatch = window
         try:
             yield
         except BaseException:
-            if self._touched:
-                self._fail(RAISED, f"microbatch {self._m} raised after its backward started")
+            if window == self._closed and self._touched:
+                self._fail(RAISED, f"microbatch {self._m - 1} raised after its backward started")
+            elif window == self._closed:
+                self._count(value, -1)  # raised before any gradient (e.g. in the forward): not counted
             raise
         finally:
             self._in_microbatch = False
-        self._m += 1
+
+    def _count(self, value: Weight | None, sign: int) -> None:
+        self._m += sign
         if value is not None:
-            self._weights.append(value)
-            self._weighted += 1
+            self._weighted += sign
+            if sign > 0:
+                self._weights.append(value)
+            else:
+                self._weights.pop()
 
     def finish(self) -> Ledger:
         """Close the window on every rank: count, divide, and let DeepSpeed reduce. ``engine.step()`` calls it.
@@ -146,10 +157,12 @@ class DeepSpeedAccumulator:
         except WindowError:
             self._close(0.0)
             self._reset()
+            self._closed += 1
             raise
         self._close(get_world_size() / divisor)
         self.ledger = self._ledger(per_rank, divisor)
         self._reset()
+        self._closed += 1
         self._finished = True
         return self.ledger
 
@@ -174,12 +187,15 @@ class DeepSpeedAccumulator:
         self._finished = False
         return self._step(*args, **kwargs)
 
-    def _wrapped_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def _wrapped_backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
+        """DeepSpeed's backward, never divided by ``gradient_accumulation_steps`` (the window divides, once)."""
         self._open()
         if not self._in_microbatch:
             self._fail(OUTSIDE, "engine.backward() ran outside acc.microbatch()")
+        elif self._window_of_microbatch != self._closed:
+            self._fail(OUTSIDE, "engine.backward() ran in a microbatch whose window engine.step() had closed")
         self._touched = True
-        return self._backward(loss, *args, **kwargs)
+        return self._backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
 
     def _fail(self, code: int, why: str) -> None:
         if self._status == OK:
