@@ -185,6 +185,10 @@ class DeepSpeedAccumulator:
         if not self._finished:
             self.finish()
         self._finished = False
+        # A finished window must be stepped on: DeepSpeed's flush restored the boundary flag of the window's start
+        # (Accelerate sets it False on every microbatch but the last), and a step skipped on a boundary False would
+        # leave the reduced gradients for the next window's flush to add to.
+        self._engine.set_gradient_accumulation_boundary(True)
         return self._step(*args, **kwargs)
 
     def _wrapped_backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:

@@ -72,13 +72,19 @@ def deepspeed_world(cases: list[tuple[str, int, float, int]]) -> dict[str, Any]:
     (DeepSpeed's recipe, even counts, gradient_accumulation_steps 3), "fuzz" (gradagg on ``random_plan(seed)``).
     Returns per case the per-window relative errors, DeepSpeed's step count and the true norms; plus the
     refusals."""
-    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()),
-                      LOCAL_WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    launcher()
     out: dict[str, Any] = {}
     for loop, stage, clip, seed in cases:
         out[f"{loop}/{stage}/{clip}"] = _case(loop, stage, clip, seed)
     out.update(_refusals())
     return out
+
+
+def launcher() -> None:
+    """The variables a launcher sets, which DeepSpeed reads, for a world the harness already initialised."""
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29999")
 
 
 def _engine(stage: int, clip: float, steps: int = 1) -> Any:
@@ -93,7 +99,7 @@ def _engine(stage: int, clip: float, steps: int = 1) -> Any:
     return engine
 
 
-def _full(engine: Any) -> dict[str, torch.Tensor]:
+def full(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter, whole and float64 (a collective under ZeRO-3: every rank calls it)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -128,7 +134,7 @@ def _case(loop: str, stage: int, clip: float, seed: int) -> dict[str, Any]:
     acc = None if loop == "native" else exact(engine)
     errors, norms, ledgers = [], [], []
     for window, per_rank in enumerate(plan):
-        before = _full(engine)
+        before = full(engine)
         truth = _truth(before, per_rank, window, 0.0, extra)
         norms.append(float(truth.norm()))
         truth = _truth(before, per_rank, window, clip, extra)
@@ -137,7 +143,7 @@ def _case(loop: str, stage: int, clip: float, seed: int) -> dict[str, Any]:
             ledgers.append(acc.ledger.divisor if acc.ledger else None)
         else:
             _native_window(engine, per_rank[rank], window, rank)
-        after = _full(engine)
+        after = full(engine)
         applied = torch.cat([(before[n] - after[n]).flatten() for n in before]) / LR
         errors.append(float((applied - truth).norm() / truth.norm()))
     return {"errors": errors, "global_steps": engine.global_steps, "true_norms": norms, "divisors": ledgers}
@@ -193,9 +199,9 @@ def _refusals() -> dict[str, Any]:
     except Exception as e:
         out["nan_weight"] = (type(e).__name__, str(e))
     out["steps_after_refusal"] = engine.global_steps
-    before = _full(engine)
+    before = full(engine)
     _exact_window(engine, acc, [[4], [2]], 0, rank, False)
-    applied = torch.cat([(before[n] - v).flatten() for n, v in _full(engine).items()]) / LR
+    applied = torch.cat([(before[n] - v).flatten() for n, v in full(engine).items()]) / LR
     truth = _truth(before, [[4], [2]], 0, 0.0, False)
     out["after_refusal_error"] = float((applied - truth).norm() / truth.norm())
     acc.close()
