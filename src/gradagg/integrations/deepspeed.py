@@ -24,15 +24,23 @@ What it does, and why:
   its collectives mismatch), every local gradient is multiplied by ``world / D``, and the block exits: DeepSpeed
   averages over the data-parallel ranks, so the gradient its optimizer applies, after its own clipping, is the
   sum over all microbatches divided by D, the total weight (M without weights).
-* **gradient_accumulation_steps must be 1**: DeepSpeed divides each backward by it and steps on every k-th
-  ``engine.step()``; here the window is the accumulation, and a loop that still called ``engine.step()`` after
-  every microbatch would silently take k times as many steps, so ``exact`` refuses it instead.
+* **gradient_accumulation_steps must be 1**: DeepSpeed steps on every k-th ``engine.step()``; here the window is
+  the accumulation, and a loop that still called ``engine.step()`` after every microbatch would silently take k
+  times as many steps, so ``exact`` refuses it instead. Each ``engine.step()`` steps the optimizer exactly once.
 * **ZeRO-3** gathers parameters collectively in every forward: its ranks must run the same number of
-  microbatches (a rank that ran out pads with ``acc.microbatch(weight=0)`` and ``engine.backward(0 * loss)``).
+  microbatches (a rank that ran out pads with ``acc.microbatch(weight=0)`` and ``engine.backward(0 * loss)``);
+  unpadded, a collective times out (a ``CollectiveError`` on the rank waiting in the window's all-reduce).
 
-``engine.step`` and ``engine.backward`` are wrapped on the engine instance (``close()`` restores them): a
-backward outside a microbatch poisons the window, and ``finish()`` then raises on every rank. DeepSpeed is
-imported by the caller; this module does not import it.
+``engine.step`` and ``engine.backward`` are wrapped on the engine instance (``close()`` restores them): the
+backward never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
+microbatch poisons the window (``engine.step()`` then raises on every rank), and a step always steps. Under
+Accelerate's DeepSpeed plugin, ``acc = DeepSpeedAccumulator(engine)`` on the engine ``accelerator.prepare``
+returned, then ``with accelerator.accumulate(engine): with acc.microbatch(weight=n): accelerator.backward(loss_sum)``:
+Accelerate calls ``engine.step()`` inside the backward of its sync microbatch, which closes the window there.
+
+Memory: inside the window every rank holds the full local gradient of every parameter (DeepSpeed's coalesced
+reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition.
+DeepSpeed is imported by the caller; this module does not import it.
 """
 
 from __future__ import annotations
@@ -67,6 +75,19 @@ class DeepSpeedAccumulator:
     """Windows of a DeepSpeed ZeRO engine whose divisor is counted on all ranks. Made by :func:`exact`."""
 
     def __init__(self, engine: Any) -> None:
+        """Wrap ``engine.step`` and ``engine.backward`` (see the module's docstring).
+
+        Args:
+            engine: a ZeRO stage 1, 2 or 3 float32 ``DeepSpeedEngine``. Its ``gradient_accumulation_steps`` is
+                not checked here: Accelerate, which calls ``engine.step()`` only on its sync microbatch, may keep
+                its own; a raw loop goes through :func:`exact`, which requires 1.
+
+        Raises:
+            GradaggError: see :func:`exact`.
+        """
+        problem = _unsupported(engine)
+        if problem is not None:
+            raise GradaggError(f"DeepSpeedAccumulator(engine): {problem}")
         self._engine = engine
         self._block: contextlib.ExitStack | None = None
         self._in_microbatch, self._touched = False, False
@@ -305,7 +326,7 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
     ...
     gradagg.errors.GradaggError: exact(engine): a Linear is not a DeepSpeed 0.19+ engine (no coalesce_grad_reduction)
     """
-    problem = _unsupported(engine)
+    problem = _unsupported(engine) or _steps_problem(engine)
     if problem is not None:
         raise GradaggError(f"exact(engine): {problem}")
     return DeepSpeedAccumulator(engine)
@@ -320,17 +341,21 @@ def _unsupported(engine: Any) -> str | None:
                 "gradients local, needs ZeRO stage 1, 2 or 3")
     if engine.fp16_enabled() or engine.bfloat16_enabled():
         return f"ZeRO stage {stage} with fp16 or bf16 is not supported yet: gradagg is verified with float32 only"
-    steps = engine.gradient_accumulation_steps()
-    if steps != 1:
-        return (f"gradient_accumulation_steps is {steps} in the DeepSpeed config, expected 1: the window between two "
-                f"engine.step() calls is the accumulation, and DeepSpeed would divide every backward by {steps} and "
-                f"step once every {steps} engine.step() calls")
     if getattr(engine, "pipeline_parallelism", False) or not engine.managed_gradient_accumulation():
         return "pipeline parallelism and managed_gradient_accumulation=false are not supported"
     if engine.dp_world_size != get_world_size():
         return (f"the data-parallel world has {engine.dp_world_size} ranks but the process group "
                 f"{get_world_size()}: tensor, sequence or expert parallelism is not supported")
     return None
+
+
+def _steps_problem(engine: Any) -> str | None:
+    steps = engine.gradient_accumulation_steps()
+    if steps == 1:
+        return None
+    return (f"gradient_accumulation_steps is {steps} in the DeepSpeed config, expected 1: the window between two "
+            f"engine.step() calls is the accumulation, and a loop that still called engine.step() after every "
+            f"microbatch would step {steps} times as often as DeepSpeed does")
 
 
 __all__ = ["DeepSpeedAccumulator", "exact"]
