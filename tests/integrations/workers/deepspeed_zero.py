@@ -211,20 +211,24 @@ def _refusals() -> dict[str, Any]:
 
 
 def _poisoned() -> dict[str, Any]:
-    """Rank 1 back-propagates outside a microbatch, then (next window) raises inside one after its backward."""
+    """One refused window per case, each on both ranks, on one engine: rank 1 back-propagates outside a
+    microbatch; rank 1 raises inside one after its backward; rank 0 weighs, rank 1 does not; every weight 0;
+    no microbatch on any rank."""
     from gradagg.integrations.deepspeed import exact
 
     engine, rank, out = _engine(1, 0.0), dist.get_rank(), {}
     acc = exact(engine)
     tokens, labels = microbatch(0, rank, 0, 4)
-    for case in ("outside", "raised"):
+    weights = {"outside": (4, 4), "raised": (4, 4), "mixed": (4, None), "zero": (0, 0)}
+    for case in ("outside", "raised", "mixed", "zero", "empty"):
         try:
             if case == "outside" and rank == 1:
                 engine.backward(loss_sum(engine, tokens, labels, False))  # no acc.microbatch() around it
-            with acc.microbatch(weight=4):
-                engine.backward(loss_sum(engine, tokens, labels, False))
-                if case == "raised" and rank == 1:
-                    raise KeyError("boom")
+            if case != "empty":
+                with acc.microbatch(weight=weights[case][rank]):
+                    engine.backward(loss_sum(engine, tokens, labels, False))
+                    if case == "raised" and rank == 1:
+                        raise KeyError("boom")
         except KeyError:
             pass
         try:
