@@ -4,17 +4,15 @@ The window is every microbatch of every rank between two optimizer steps: not on
 generation batch. A **sequence** is a row, or a segment of a packed row (``position_ids`` restarting at
 0, or ``cu_seqlens``); n_s its valid (unmasked) tokens; a fully masked sequence (n_s = 0) counts in no
 divisor. A **group** is the completions of one prompt; N_g the sum of its n_s. Over the window, with S the
-non-empty sequences, G the non-empty groups, T = sum n_s, l_t a token's loss, C a declared constant:
+non-empty sequences (#S of them), G the non-empty groups (#G), T = sum n_s, l_t a token's loss, C a declared constant:
 
-========================  ===============================  ======================================  ==============
-mode                      value over the window            per microbatch: ``loss`` / ``weight``   needs
-========================  ===============================  ======================================  ==============
-token-mean                sum_t l_t / T                    sum l_t / valid tokens                  nothing
-seq-mean-token-mean       (1/|S|) sum_s (sum_s l_t / n_s)  sum_s (sum_s l_t / n_s) / sequences     whole seqs
-seq-mean-token-sum        (1/|S|) sum_t l_t                sum l_t / sequences                     whole seqs
-seq-mean-token-sum-norm   sum_t l_t / (|S| C)              sum l_t / (sequences x C)               whole seqs
-group-token-mean          (1/|G|) sum_g (sum_g l_t / N_g)  sum_t l_t / N_g(t) / groups it owns     plan_window
-========================  ===============================  ======================================  ==============
+| mode | value over the window | per microbatch: ``loss`` / ``weight`` | needs |
+|---|---|---|---|
+| token-mean | sum_t l_t / T | sum l_t / valid tokens | nothing |
+| seq-mean-token-mean | (1/#S) sum_s (sum_s l_t / n_s) | sum_s (sum_s l_t / n_s) / sequences | whole seqs |
+| seq-mean-token-sum | (1/#S) sum_t l_t | sum l_t / sequences | whole seqs |
+| seq-mean-token-sum-norm | sum_t l_t / (#S C) | sum l_t / (sequences x C) | whole seqs |
+| group-token-mean | (1/#G) sum_g (sum_g l_t / N_g) | sum_t l_t / N_g(t) / groups it owns | plan_window |
 
 Back-propagate ``loss`` inside ``acc.microbatch(weight=weight)``: ``MicrobatchAccumulator.finish()``
 divides the sum over every microbatch of every rank by the sum of every weight, so each ``.grad`` is the
