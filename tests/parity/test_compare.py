@@ -226,3 +226,16 @@ def test_the_lowest_dtype_an_operation_computes_in_is_seen(cast: torch.dtype) ->
     with LowestFloat() as plain:
         model(torch.ones(4, 3, dtype=torch.float64)).square().mean().backward()
     assert plain.lowest() == "torch.float64"
+
+
+def test_a_loss_that_reads_dtype_and_shape_computes_in_its_dtype() -> None:
+    """``x.to(w.dtype)`` and ``x.shape`` return a dtype and a Size through the mode, not tensors: they are not
+    results to record (a dtype has an ``is_floating_point`` attribute that is a bool, not a method)."""
+    from gradagg.parity.script import LowestFloat
+
+    model = torch.nn.Linear(3, 2).double()
+    with LowestFloat() as seen:
+        out = model(torch.ones(4, 3, dtype=torch.float64))
+        mask = (out > 0).to(out.dtype)
+        (out * mask).sum().div(out.shape[0]).backward()
+    assert seen.lowest() == "torch.float64"
