@@ -6,7 +6,7 @@ included, is 0.5x. Exit 1.
 """
 
 import torch
-from _modes_lm import build_model, full_batch_loss_of, microbatches, generation_batch_count_step
+from _modes_lm import build_model, full_batch_loss_of, generation_batch_count_step, microbatches
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

@@ -7,7 +7,7 @@ reports no single factor there (1.02x to 1.29x per parameter). Exit 1.
 """
 
 import torch
-from _modes_lm import build_model, full_batch_loss_of, microbatches, mean_of_microbatch_means_step
+from _modes_lm import build_model, full_batch_loss_of, mean_of_microbatch_means_step, microbatches
 
 __all__ = ["build_model", "full_batch_loss", "microbatches", "step"]
 

@@ -1,7 +1,7 @@
 """Right: the ``token-mean`` mode through the accumulator, with the mode's weight (see ``_modes_lm``).
 
-`gradagg parity --sweep examples/parity/mode_token_mean.py` reports every cell exact: 1, 2 and 3 ranks, 1, 2 and 4
-microbatches each, even and uneven (a rank with none included); exit 0.
+`gradagg parity --sweep examples/parity/mode_token_mean.py` reports every cell exact:
+1, 2 and 3 ranks, 1, 2 and 4 microbatches each, even and uneven (a rank with none included); exit 0.
 """
 
 import torch
