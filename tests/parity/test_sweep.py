@@ -76,9 +76,16 @@ def test_a_mistake_reports_its_factor_per_cell(example: str, worlds: list[int], 
     assert all(o["ratio"] is not None for o in report.observations) and not report.passed
 
 
-def test_a_failed_cell_ends_its_world_and_the_cells_after_it_run_in_a_new_one() -> None:
-    """A step that raises on a rank with no microbatch: those cells FAIL, the others stay exact."""
+def test_a_failed_cell_ends_its_world_and_the_cells_after_it_run_in_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that raises on a rank with no microbatch: those cells FAIL, the others stay exact; two worlds."""
+    import gradagg.testing
+
+    worlds: list[int] = []
+    launch = gradagg.testing.launch_local_world
+    monkeypatch.setattr(gradagg.testing, "launch_local_world",
+                        lambda fn, n, *a, **kw: worlds.append(len(a[1])) or launch(fn, n, *a, **kw))
     report = sweep_parity(str(FIXTURES / "sized_raises_on_empty_rank.py"), [2], [1, 2], **FAST)
+    assert worlds == [4, 2], "cells per world: all four, then the two after the failed one"
     assert _factors(report) == {(1, 1): "exact", (0, 2): "FAIL", (2, 2): "exact", (1, 3): "exact"}, table(report)
     failed = report.observations[1]
     assert "rank 0: step() raised ValueError: this rank has no microbatch" in failed["diagnosis"]
