@@ -12,7 +12,8 @@ from gradagg.parity.layouts import MAX_RANKS, parse_layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``gradagg parity SCRIPT.py [--layouts L [L ...]] [--rtol R]`` to ``parser``."""
+    """Add the options of ``gradagg parity SCRIPT.py [--layouts L [L ...]] [--rtol R]`` and of its ``--sweep``
+    (``--worlds``, ``--per-rank``, ``--json``) to ``parser``."""
     parser.add_argument("script", metavar="SCRIPT.py",
                         help="defines build_model(), microbatches(), full_batch_loss(model, microbatches), "
                              "step(model, microbatches) and optionally prepare(model)")
@@ -35,10 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``gradagg parity``: the observations as JSON on stdout, a summary on stderr when it is a terminal.
+    """Run ``gradagg parity``: the observations as JSON on stdout, a summary on stderr when it is a terminal;
+    with ``--sweep``, the table on stdout (``--json FILE`` for the observations).
 
     Returns:
-        0 when every layout passed, 1 otherwise.
+        0 when every layout (every cell of a sweep) passed, 1 otherwise.
 
     Raises:
         GradaggError: SCRIPT.py cannot be used, or bad options (the command line exits 2 with one line).
