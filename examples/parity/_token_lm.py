@@ -1,6 +1,7 @@
 """A tiny token-level language model and a window of variable-length sequences, for the parity examples.
 
-Each microbatch holds 2 sequences padded to LENGTH; padding targets are IGNORE (-100), so the valid
+By default each microbatch holds 2 sequences padded to LENGTH (``microbatches(n)`` splits the same 16
+sequences into n microbatches instead, for ``gradagg parity --sweep``); padding targets are IGNORE (-100), so the valid
 token counts differ from microbatch to microbatch: 12, 16, 11, 19, 5, 24, 5, 3 (95 in all; 58 in the
 first half, 37 in the second). Unequal counts are what make a wrong divisor visible: with equal ones
 a mean of means equals the mean. float64, so a right step matches the full batch to ~1e-16.
@@ -19,16 +20,23 @@ def build_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Tanh(), torch.nn.Linear(DIM, VOCAB)).double()
 
 
-def microbatches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def microbatches(n: int = len(LENGTHS)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The window's 16 sequences in ``n`` microbatches of consecutive rows (default 8 of 2 sequences each).
+
+    ``gradagg parity --sweep`` asks for several ``n``: the same rows split into more or fewer microbatches
+    (unequal in rows when ``n`` does not divide 16), so every split has the same full batch.
+    """
     gen = torch.Generator().manual_seed(1)
-    window = []
+    inputs, targets = [], []
     for lengths in LENGTHS:
-        inputs = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
-        targets = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
+        x = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
+        y = torch.randint(0, VOCAB, (len(lengths), LENGTH), generator=gen)
         for row, valid in enumerate(lengths):
-            targets[row, valid:] = IGNORE
-        window.append((inputs, targets))
-    return window
+            y[row, valid:] = IGNORE
+        inputs.append(x)
+        targets.append(y)
+    rows = zip(torch.cat(inputs).tensor_split(n), torch.cat(targets).tensor_split(n))
+    return [(x.clone(), y.clone()) for x, y in rows]
 
 
 def full_batch_loss(model: torch.nn.Module, microbatches: list) -> torch.Tensor:

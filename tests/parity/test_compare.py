@@ -226,3 +226,29 @@ def test_the_lowest_dtype_an_operation_computes_in_is_seen(cast: torch.dtype) ->
     with LowestFloat() as plain:
         model(torch.ones(4, 3, dtype=torch.float64)).square().mean().backward()
     assert plain.lowest() == "torch.float64"
+
+
+def test_a_loss_that_reads_dtype_and_shape_computes_in_its_dtype() -> None:
+    """``x.to(w.dtype)`` and ``x.shape`` return a dtype and a Size through the mode, not tensors: they are not
+    results to record (a dtype has an ``is_floating_point`` attribute that is a bool, not a method)."""
+    from gradagg.parity.script import LowestFloat
+
+    model = torch.nn.Linear(3, 2).double()
+    with LowestFloat() as seen:
+        out = model(torch.ones(4, 3, dtype=torch.float64))
+        mask = (out > 0).to(out.dtype)
+        (out * mask).sum().div(out.shape[0]).backward()
+    assert seen.lowest() == "torch.float64"
+
+
+def test_a_miss_on_a_parameter_below_the_floor_is_not_called_a_common_factor() -> None:
+    """The projection skips parameters whose truth is below the floor (no reliable ratio of their own); a miss
+    there, the rest exact, is still no single factor: not "grads are 1x the truth on every parameter"."""
+    gen = torch.Generator().manual_seed(0)
+    truth = Truth.of({"big": torch.randn(10_000, generator=gen, dtype=torch.float64) + 3.0,
+                      "small": torch.tensor([3.0], dtype=torch.float64)}, "torch.float64", 1e-9)
+    assert truth.norms["small"] < truth.floor
+    got = {"big": truth.grads["big"], "small": 2 * truth.grads["small"]}  # type: ignore[operator]
+    o = judge((2, 2), truth, {0: got, 1: dict(got)}, {}, rtol=1e-9)
+    assert o["passed"] is False and o["ratio"] is None, o["diagnosis"]
+    assert o["diagnosis"].startswith("no single factor"), o["diagnosis"]

@@ -21,13 +21,17 @@ passes when the largest relative error over ranks and parameters is at most ``rt
 raises, exits or hangs on some rank fails its layout, within the world's deadline: a rank whose step
 fails returns at once, so a peer blocked in a collective with it fails fast, and a rank that hangs is
 killed at the deadline.
+
+:func:`sweep_parity` (``gradagg parity --sweep``) runs the step on a grid of world sizes and microbatches
+per rank instead, and reports per cell ``exact`` or the factor its gradient is off (:mod:`gradagg.parity.sweep`).
 """
 
 from gradagg.errors import ScriptError
 from gradagg.parity.check import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_TIMEOUT_S, check_parity
 from gradagg.parity.command import add_arguments, run
 from gradagg.parity.layouts import MAX_RANKS
+from gradagg.parity.sweep import SweepReport, sweep_parity
 from gradagg.parity.types import ParityReport
 
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "MAX_RANKS", "ParityReport", "ScriptError",
-           "add_arguments", "check_parity", "run"]
+           "SweepReport", "add_arguments", "check_parity", "run", "sweep_parity"]

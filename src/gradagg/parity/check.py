@@ -10,7 +10,7 @@ from typing import Any
 
 from gradagg.errors import GradaggError, ScriptError, last_line, require_torch
 from gradagg.parity.layouts import check_layouts, default_layouts, format_layout
-from gradagg.parity.types import Layout, ParityReport, TruthResult
+from gradagg.parity.types import Layout, ParityReport, Truth, TruthResult
 
 DEFAULT_TIMEOUT_S = 60.0  # one world, start-up included: a hung step fails its layout after this long
 # A rank blocked in a collective whose peer hangs (without exiting) gives up after this long.
@@ -65,21 +65,30 @@ def check_parity(
     start = time.perf_counter()
     check_file(script)  # at once, before torch is needed and before any process starts
     require_torch("gradagg parity")
-    from gradagg.parity.compare import RTOL_BY_DTYPE, default_rtol
     from gradagg.parity.truth import compute_truth
-    from gradagg.parity.types import Truth
 
     path = os.path.abspath(script)  # now: the ranks may not share our working folder
     checked = compute_truth(script, timeout_s, _PRELOAD)
     chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
                            checked.window)
-    computes_in = _computes_in(checked)
-    truth = Truth.of(checked.grads, computes_in, RTOL_BY_DTYPE.get(computes_in, 0.0))
-    tol = _checked_rtol(max(default_rtol(truth), truth.roundoff) if rtol is None else rtol)
+    computes_in, truth, tol = truth_and_rtol(checked, rtol)
     observations = [_observe(script, path, layout, truth, tol, checked, timeout_s, collective_timeout_s)
                     for layout in chosen]
     return ParityReport(script, checked.window, computes_in.removeprefix("torch."), tol, observations,
                         time.perf_counter() - start)
+
+
+def truth_and_rtol(checked: TruthResult, rtol: float | None) -> tuple[str, Truth, float]:
+    """What the full batch computes in, its :class:`Truth`, and the tolerance: ``rtol``, or by that dtype.
+
+    Raises:
+        GradaggError: ``rtol`` out of range.
+    """
+    from gradagg.parity.compare import RTOL_BY_DTYPE, default_rtol
+
+    computes_in = _computes_in(checked)
+    truth = Truth.of(checked.grads, computes_in, RTOL_BY_DTYPE.get(computes_in, 0.0))
+    return computes_in, truth, _checked_rtol(max(default_rtol(truth), truth.roundoff) if rtol is None else rtol)
 
 
 def _checked_rtol(rtol: float) -> float:
@@ -110,27 +119,39 @@ def _computes_in(checked: TruthResult) -> str:
 def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, checked: TruthResult,
              timeout_s: float, collective_timeout_s: float) -> dict[str, Any]:
     """One world for one layout, then its observation."""
-    from gradagg.parity.compare import judge
-    from gradagg.parity.shards import assemble
     from gradagg.parity.worker import run_rank
     from gradagg.testing import launch_local_world
 
     outcomes = launch_local_world(run_rank, len(layout), path, layout, os.getcwd(), timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s, preload=_PRELOAD)
+    ranks = {o.rank: o.value if o.ok else launcher_failure(o.rank, o.error, timeout_s) for o in outcomes}
+    return judge_ranks(script, layout, truth, rtol, checked, ranks)
+
+
+def judge_ranks(script: str, layout: Layout, truth: Truth, rtol: float, checked: TruthResult,
+                ranks: Mapping[int, Any]) -> dict[str, Any]:
+    """The observation of one layout from what each rank handed back: a RankResult, or why it did not return.
+
+    Raises:
+        ScriptError: a rank built another model or window than the truth's.
+    """
+    from gradagg.parity.compare import judge
+    from gradagg.parity.shards import assemble
+
     results, failures = {}, {}
-    for o in outcomes:
-        if not o.ok:
-            failures[o.rank] = _launcher_failure(o.rank, o.error, timeout_s)
+    for rank, value in sorted(ranks.items()):
+        if isinstance(value, str):
+            failures[rank] = value
             continue
-        _check_same_inputs(script, layout, o.value, checked)
-        if o.value.failure is not None:
-            failures[o.rank] = o.value.failure
+        _check_same_inputs(script, layout, value, checked)
+        if value.failure is not None:
+            failures[rank] = value.failure
         else:
-            results[o.rank] = o.value.grads
+            results[rank] = value.grads
     return judge(layout, truth, assemble(results), failures, rtol)
 
 
-def _launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
+def launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:
     text = last_line(error).removeprefix(f"rank {rank} ")
     if "deadline" in text:
         return f"did not finish within the deadline ({timeout_s:g} s) and was killed: does its step hang?"

@@ -208,23 +208,51 @@ def _disagreement(truth: Truth, results: Mapping[int, Grads], rtol: float) -> st
 
 def _scale(layout: Layout, truth: Truth, grads: Grads, rtol: float) -> tuple[float | None, str]:
     """Project each significant parameter's gradient on its truth: one factor everywhere is a divisor's mark."""
-    ratios, residuals = [], []
-    for name, t in truth.grads.items():
-        g = grads.get(name)
-        if t is None or g is None or isinstance(g, Unread) or truth.norms[name] < truth.floor:
-            continue  # near-zero truths carry no reliable ratio (and an Unread was reported before this)
-        r = _dot(g, t) / _dot(t, t)
-        ratios.append(r)
-        residuals.append(_norm(g.double() - r * t.double()) / truth.scale(name))
+    ratios, residuals = projections(truth, grads)
     if not ratios:
         return None, "no parameter has a gradient large enough to compare"
     lo, hi = min(ratios), max(ratios)
-    if max(residuals) <= rtol and hi - lo <= 2 * rtol * max(abs(lo), abs(hi)):
-        ratio = (lo + hi) / 2
+    ratio = (lo + hi) / 2
+    if max(residuals) <= rtol and hi - lo <= 2 * rtol * max(abs(lo), abs(hi)) and \
+            _explains_the_rest(truth, grads, ratio, rtol):
         return ratio, ratio_text(ratio, len(layout), sum(layout), rtol)
     return None, (f"no single factor: projected on the truth, the gradients are {lo:.3g}x to {hi:.3g}x it per "
                   "parameter and point elsewhere: the microbatches or ranks are weighted unlike the full batch "
                   "(a mean of per-microbatch or per-rank means?)")
+
+
+def _explains_the_rest(truth: Truth, grads: Grads, ratio: float, rtol: float) -> bool:
+    """Whether ``ratio`` also explains the parameters below the floor, which gave no ratio of their own: a miss
+    on a small layer alone, the rest exact, is no common factor of 1."""
+    for name, t in truth.grads.items():
+        g = grads.get(name)
+        if t is None or not _tensor(g) or truth.norms[name] >= truth.floor:
+            continue
+        if _norm(g.double() - ratio * t.double()) / truth.scale(name) > rtol * max(1.0, abs(ratio)):  # type: ignore[union-attr]
+            return False
+    return True
+
+
+def projections(truth: Truth, grads: Grads) -> tuple[list[float], list[float]]:
+    """Per significant parameter: its gradient's factor along its truth, and the relative residual off that line.
+
+    Args:
+        truth: the one-process gradients.
+        grads: one rank's gradients.
+
+    Returns:
+        (factors, residuals), one of each per parameter whose truth is above the floor and whose gradient is a
+        tensor (near-zero truths carry no reliable factor).
+    """
+    ratios, residuals = [], []
+    for name, t in truth.grads.items():
+        g = grads.get(name)
+        if t is None or g is None or isinstance(g, Unread) or truth.norms[name] < truth.floor:
+            continue
+        r = _dot(g, t) / _dot(t, t)
+        ratios.append(r)
+        residuals.append(_norm(g.double() - r * t.double()) / truth.scale(name))
+    return ratios, residuals
 
 
 def _roundoff_text(error: float, truth: Truth) -> str:

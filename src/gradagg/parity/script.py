@@ -192,11 +192,13 @@ class Checked:
     computes_in: str = ""  # the lowest-precision floating dtype full_batch_loss() computed in
 
 
-def check_script(path: str) -> Checked:
+def check_script(path: str, size: int | None = None) -> Checked:
     """Load SCRIPT.py and check all of its contract that one process can: window, model, full-batch gradient.
 
     Args:
         path: the script's path.
+        size: the number of microbatches to ask ``microbatches(size)`` for (``gradagg parity --sweep``);
+            None: ``microbatches()``.
 
     Returns:
         The checked script with its truth.
@@ -205,8 +207,13 @@ def check_script(path: str) -> Checked:
         ScriptError: whatever makes the script unusable (see :func:`load_script`, :func:`load_window`,
             :func:`build_checked`, :func:`full_batch_grads`).
     """
-    script = load_script(path)
-    window = load_window(script)
+    return check_loaded(load_script(path), size)
+
+
+def check_loaded(script: Script, size: int | None = None) -> Checked:
+    """:func:`check_script` on a loaded script (the sweep checks one script at several sizes)."""
+    path = script.path
+    window = load_window(script, size)
     model = build_checked(script)
     digest = model_digest(model)  # before the backward, as the ranks take theirs before the step
     with LowestFloat() as seen:
@@ -227,6 +234,7 @@ class LowestFloat:
         self._mode: Any = None
 
     def __enter__(self) -> LowestFloat:
+        from torch import Tensor
         from torch.overrides import TorchFunctionMode
 
         seen = self.seen
@@ -235,7 +243,7 @@ class LowestFloat:
             def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
                 for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if getattr(t, "is_floating_point", None) is not None and t.is_floating_point():
+                    if isinstance(t, Tensor) and t.is_floating_point():  # not ``.dtype``'s dtype, ``.shape``'s Size
                         seen.add(t.dtype)
                 return out
 
@@ -261,21 +269,37 @@ def _parameters(digest: dict[str, str], model: torch.nn.Module) -> dict[str, str
     return {name: d for name, d in digest.items() if name in names}
 
 
-def load_window(script: Script) -> list[Any]:
-    """``microbatches()``, checked: a non-empty list, the same on a second call.
+def load_window(script: Script, size: int | None = None) -> list[Any]:
+    """``microbatches()`` (or ``microbatches(size)``), checked: a non-empty list, the same on a second call.
 
     Raises:
-        ScriptError: not a list or tuple, empty, or different on the second call.
+        ScriptError: not a list or tuple, empty, not ``size`` long, or different on the second call.
     """
-    window = script.call("microbatches")
+    args = () if size is None else (size,)
+    call = f"microbatches({'' if size is None else size})"
+    window = script.call("microbatches", *args)
     if not isinstance(window, (list, tuple)):
-        raise ScriptError(f"{script.path}: microbatches() returned a {type(window).__name__}, expected a list")
+        raise ScriptError(f"{script.path}: {call} returned a {type(window).__name__}, expected a list")
     if not window:
-        raise ScriptError(f"{script.path}: microbatches() returned an empty list: nothing to check")
-    if data_digest(window) != data_digest(script.call("microbatches")):
-        raise ScriptError(f"{script.path}: microbatches() returned different data on a second call; it must be "
+        raise ScriptError(f"{script.path}: {call} returned an empty list: nothing to check")
+    if size is not None and len(window) != size:
+        raise ScriptError(f"{script.path}: {call} returned {len(window)} microbatches, expected {size} (the "
+                          "window's rows split into that many microbatches)")
+    if data_digest(window) != data_digest(script.call("microbatches", *args)):
+        raise ScriptError(f"{script.path}: {call} returned different data on a second call; it must be "
                           "deterministic (seed its generator inside the function)")
     return list(window)
+
+
+def takes_size(script: Script) -> bool:
+    """Whether ``microbatches`` accepts a number of microbatches, ``microbatches(n)`` (what ``--sweep`` varies)."""
+    import inspect
+
+    try:
+        inspect.signature(script.module.microbatches).bind(1)
+    except (TypeError, ValueError):  # takes no argument, or a builtin without a signature
+        return False
+    return True
 
 
 def build_checked(script: Script) -> torch.nn.Module:

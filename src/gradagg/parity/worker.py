@@ -41,18 +41,57 @@ def run_rank(path: str, layout: Layout, cwd: str) -> RankResult:
     Returns:
         The rank's :class:`RankResult`.
     """
+    stdout_to_stderr()
+    return _run(path, layout, None, cwd)
+
+
+def run_cells(path: str, cells: list[tuple[Layout, int | None]], cwd: str) -> list[RankResult]:
+    """``gradagg parity --sweep``'s worker: several cells, in order, on one world; never raises.
+
+    Each cell is a layout and the number of microbatches to ask ``microbatches(n)`` for (None:
+    ``microbatches()``), with a model of its own from ``build_model()``. A barrier before each cell but the
+    first keeps one cell's collectives from pairing with the next one's. This rank stops at its first failed
+    cell, so a peer waiting for it fails fast, as in :func:`run_rank`.
+
+    Args:
+        path: SCRIPT.py, an absolute path.
+        cells: (layout, size) per cell; every layout has as many ranks as the world.
+        cwd: the checker's working directory.
+
+    Returns:
+        One :class:`RankResult` per cell run: all of them, or up to and including the first that failed.
+    """
     import torch.distributed as dist
 
     stdout_to_stderr()
+    results: list[RankResult] = []
+    for index, (layout, size) in enumerate(cells):
+        if index:
+            try:
+                dist.barrier()
+            except BaseException as exc:  # the previous cell's collectives did not pair up: this one fails
+                results.append(RankResult(dist.get_rank(), failure=f"waiting for the other ranks raised "
+                                          f"{describe(exc)}"))
+                break
+        results.append(_run(path, layout, size, cwd))
+        if results[-1].failure is not None:
+            break
+    return results
+
+
+def _run(path: str, layout: Layout, size: int | None, cwd: str) -> RankResult:
+    """One step on this rank: load, window (``microbatches(size)`` unless None), model, prepare, step, read."""
+    import torch.distributed as dist
+
     rank = dist.get_rank()
     result = RankResult(rank=rank)
     phase = "loading the script"
     try:
         os.chdir(cwd)
         script = load_script(path)
-        phase = "microbatches()"
+        phase = "microbatches()" if size is None else f"microbatches({size})"
         with user_state(cwd):
-            window = list(script.module.microbatches())
+            window = list(script.module.microbatches(*(() if size is None else (size,))))
         result.window_digest = data_digest(window)
         phase = "build_model()"
         with user_state(cwd):
