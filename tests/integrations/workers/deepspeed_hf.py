@@ -30,8 +30,31 @@ def stage_world(stage: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]
     return [_case(stage, case) for case in cases]
 
 
+def _deepspeed_state() -> None:
+    """Accelerate's process state for DeepSpeed over gloo, made before the TrainingArguments, which reuse it
+    (``use_configured_state``).
+
+    TrainingArguments under ``deepspeed=`` names no backend, and on a machine without an accelerator Accelerate then
+    finds none and counts one process; given ``backend="gloo"`` it counts the world the harness started.
+    """
+    import os
+
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    # Accelerate's private reset, as TrainingArguments itself does without use_configured_state: each case's
+    # Trainer creates the first Accelerator, which alone takes a DeepSpeed plugin (test-only)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what TrainingArguments sets around its own PartialState
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
 def _config(stage: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    # no train_batch_size: "auto" fills it with TrainingArguments.world_size, 1 in a world the harness started
+    return {"train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
@@ -44,7 +67,7 @@ def _trainer(stage: int, case: dict[str, Any], out: str) -> Any:
         num_train_epochs=1, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=case.get("clip", 0.0), logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=7, average_tokens_across_devices=case.get("avg_tokens", True), ddp_timeout=60,
-        deepspeed=_config(stage),
+        deepspeed=_config(stage), accelerator_config={"use_configured_state": True},  # see _deepspeed_state
     )
     return Trainer(model=tl.model(0), args=args, train_dataset=hf.dataset_rows(), data_collator=tl.collate)
 
@@ -52,6 +75,7 @@ def _trainer(stage: int, case: dict[str, Any], out: str) -> Any:
 def _case(stage: int, case: dict[str, Any]) -> dict[str, Any]:
     from gradagg.integrations.transformers import exact
 
+    _deepspeed_state()
     with tempfile.TemporaryDirectory() as out:
         trainer = _trainer(stage, case, out)
         if case.get("exact"):
