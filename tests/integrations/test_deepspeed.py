@@ -113,8 +113,9 @@ def accelerate_world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str
     from tests.integrations.workers import deepspeed_accel
 
     stage = request.param
-    return stage, run_local_world(deepspeed_accel.accelerate_world, 2, stage, ["exact", "line", "native"], timeout_s=300.0,
-                                  collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"}, preload=["torch._dynamo"])
+    return stage, run_local_world(deepspeed_accel.accelerate_world, 2, stage, ["exact", "line", "native"],
+                                  timeout_s=300.0, collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"},
+                                  preload=["torch._dynamo"])
 
 
 def test_accelerate_with_its_deepspeed_plugin_is_exact(accelerate_world: tuple[int, list[dict[str, Any]]]) -> None:

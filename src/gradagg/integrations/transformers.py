@@ -45,6 +45,14 @@ A microbatch that counts 0 runs its forward but its backward reaches no paramete
 refused at once; a negative, NaN or infinite one makes ``finish()`` refuse the window on every rank (a ``WindowError``
 naming the step, the rank, the microbatch and the value), and ``train()`` stops there without stepping.
 
+DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO stage 1, 2 or 3, float32): the accumulator is a
+:class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` on the engine (the Trainer's ``model_wrapped``), built
+at the first step. The window is the Trainer's (``gradient_accumulation_steps``, which the Trainer also writes into
+DeepSpeed's config: left there, since the engine steps only where Accelerate's backward of the window's last
+microbatch calls ``engine.step()``, which finishes the window first); the backward never divides by those steps.
+DeepSpeed clips the exact gradient (``max_grad_norm`` is its ``gradient_clipping``) and the logged ``grad_norm`` is
+the norm it measured. ZeRO stage 0, fp16, bf16 and TRL trainers under DeepSpeed are refused by ``exact()``.
+
 TRL: ``SFTTrainer``, ``DPOTrainer`` (loss types that are a mean of a per-pair loss) and ``GRPOTrainer`` (its
 ``loss_type`` aggregated over the window, :mod:`gradagg.integrations._grpo`: its microbatch is opened in
 ``compute_loss``, once TRL generated and prepared it and its count is known) are made exact; every other TRL trainer
@@ -86,9 +94,10 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
 
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
-            not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
-            sequence parallelism, a MoE auxiliary loss); a TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and
-            ``GRPOTrainer``, a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
+            not make exact (DeepSpeed ZeRO stage 0, fp16 or bf16, or with a TRL trainer; FSDP version 1,
+            ``DataParallel`` over several GPUs, tensor, context or sequence parallelism, a MoE auxiliary loss); a
+            TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, a ``DPOTrainer`` whose
+            ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
             ``weight=`` or that :func:`gradagg.integrations._grpo.check_grpo` refuses; a model or
             ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
             every rank: a TRL trainer whose ranks have different numbers of microbatches. During ``train()``: a

@@ -25,7 +25,8 @@ LR = 1.0
 
 
 def stage_world(stage: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every case (``exact``, ``clip``, ``avg_tokens``) under ZeRO ``stage``, one after the other on this rank."""
+    """Every case (``exact``, ``clip``, ``avg_tokens``, ``bad`` as in :func:`hf.bad_count`) under ZeRO ``stage``, one
+    after the other on this rank."""
     hf.launcher_environment()
     return [_case(stage, case) for case in cases]
 
@@ -78,7 +79,9 @@ def _case(stage: int, case: dict[str, Any]) -> dict[str, Any]:
     _deepspeed_state()
     with tempfile.TemporaryDirectory() as out:
         trainer = _trainer(stage, case, out)
-        if case.get("exact"):
+        if case.get("bad"):
+            exact(trainer, weight=hf.bad_count(case["bad"]))
+        elif case.get("exact"):
             exact(trainer)
         rec = hf.Recorder()
         inner = trainer.training_step
@@ -90,7 +93,11 @@ def _case(stage: int, case: dict[str, Any]) -> dict[str, Any]:
         trainer.training_step = training_step
         windows: list[dict[str, Any]] = []
         trainer.add_callback(_callback_class()(rec, windows))
-        trainer.train()
+        try:
+            trainer.train()
+        except Exception as exc:  # a refusal: every rank must raise it, none may hang
+            return {"refused": f"{type(exc).__name__}: {exc}", "steps": trainer.state.global_step,
+                    "engine_steps": trainer.model_wrapped.global_steps}
         engine = trainer.model_wrapped
         summary = {"engine": type(engine).__name__, "stage": int(engine.zero_optimization_stage()),
                    "steps": trainer.state.global_step, "engine_steps": engine.global_steps}
