@@ -297,8 +297,10 @@ def _resume_fsdp_reduction(fsdp_modules: list[Any]) -> None:
 
 
 def _zero_loss(loss: Any) -> Any:
-    """A zero that back-propagates into no parameter: a microbatch counting no token (its mean may be 0/0)."""
-    return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+    """A zero that back-propagates into no parameter: a microbatch counting no token (its mean may be 0/0).
+
+    Not a leaf: DeepSpeed's ``engine.backward`` refuses a loss without a ``grad_fn``."""
+    return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True).clone()
 
 
 def _count(value: object, step: int) -> float:
