@@ -113,8 +113,9 @@ def accelerate_world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str
     from tests.integrations.workers import deepspeed_accel
 
     stage = request.param
-    return stage, run_local_world(deepspeed_accel.accelerate_world, 2, stage, ["exact", "native"], timeout_s=300.0,
-                                  collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"}, preload=["torch._dynamo"])
+    return stage, run_local_world(deepspeed_accel.accelerate_world, 2, stage, ["exact", "line", "native"],
+                                  timeout_s=300.0, collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"},
+                                  preload=["torch._dynamo"])
 
 
 def test_accelerate_with_its_deepspeed_plugin_is_exact(accelerate_world: tuple[int, list[dict[str, Any]]]) -> None:
@@ -123,9 +124,22 @@ def test_accelerate_with_its_deepspeed_plugin_is_exact(accelerate_world: tuple[i
     (Accelerate calls engine.step() inside the sync microbatch's backward); Accelerate's own recipe is not."""
     stage, results = accelerate_world
     for r in results:
-        exact, native = r["exact"], r["native"]
-        assert exact["stage"] == stage and exact["kind"].endswith("DEEPSPEED"), exact
-        assert exact["windows"] == [3, 3, 3, 1] and exact["global_steps"] == 4, exact
-        assert max(exact["errors"]) < TOLERANCE, exact["errors"]
+        native = r["native"]
+        for exact in (r["exact"], r["line"]):
+            assert exact["stage"] == stage and exact["kind"].endswith("DEEPSPEED"), exact
+            assert exact["windows"] == [3, 3, 3, 1] and exact["global_steps"] == 4, exact
+            assert max(exact["errors"]) < TOLERANCE, exact["errors"]
         assert min(native["errors"]) > 0.4, native["errors"]
-    print(f"Accelerate's own recipe, ZeRO-{stage}: relative errors per window {results[0]['native']['errors']}")
+    print(f"ZeRO-{stage} under Accelerate, relative errors per window: Accelerate's own recipe "
+          f"{[round(e, 3) for e in results[0]['native']['errors']]}, gradagg {results[0]['line']['errors']}")
+
+
+def test_accelerates_exact_routes_deepspeed(accelerate_world: tuple[int, list[dict[str, Any]]]) -> None:
+    """integrations.accelerate.exact(accelerator, engine, optimizer) is the DeepSpeedAccumulator on the engine; a
+    model that is not the engine, and DDP's options, are refused naming what was given."""
+    _, results = accelerate_world
+    for r in results:
+        assert r["line"]["type"] == "DeepSpeedAccumulator", r["line"]
+        not_engine, options = r["line"]["refused"]
+        assert not_engine.startswith("GradaggError") and "model is a Tiny, not the DeepSpeedEngine" in not_engine
+        assert options.startswith("GradaggError") and "options ['bucket_mb']" in options, options

@@ -28,6 +28,14 @@ What it changes, and why:
 * one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
   the microbatch would count with the divisor set to 1, and is refused.
 
+Under Accelerate's DeepSpeed plugin (ZeRO stage 1, 2 or 3, float32) ``exact`` returns a
+:class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` on the engine ``accelerator.prepare`` returned (pass it
+as ``model``), and the same loop is exact with ``accelerator.backward(loss_sum)``: Accelerate calls ``engine.step()``
+inside the backward of its sync microbatch, which closes the window there; DeepSpeed clips the exact gradient
+(``gradient_clipping`` in its config) and ``accelerator.clip_grad_norm_`` returns the norm it measured. A plain
+``loss_sum.backward()`` bypasses the engine and is wrong there. ZeRO-3 needs as many microbatches on every rank
+(Accelerate's default ``even_batches``). fp16, bf16, ZeRO stage 0 and Megatron-LM are refused.
+
 Accelerate is imported by the caller; this module imports it only for type names, lazily.
 """
 
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 
 from gradagg.errors import GradaggError, WindowError
+from gradagg.integrations.deepspeed import DeepSpeedAccumulator
 from gradagg.torch import MicrobatchAccumulator
 
 
@@ -87,27 +96,34 @@ def _undivided(accelerator: Any) -> Iterator[None]:
         accelerator.gradient_accumulation_steps = steps
 
 
-def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: Any) -> AcceleratedAccumulator:
+def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
+          **options: Any) -> AcceleratedAccumulator | DeepSpeedAccumulator:
     """The accumulator for a loop that ``accelerator`` prepared: its windows, its divisor, its optimizer's step.
 
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
-            processes; FSDP2-sharded under its FSDP2 plugin, untested here: on a CPU machine Accelerate gives
-            DDP instead).
+            processes; the ``DeepSpeedEngine`` under its DeepSpeed plugin; FSDP2-sharded under its FSDP2 plugin,
+            untested here: on a CPU machine Accelerate gives DDP instead).
         optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned.
-        **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
+        **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...);
+            none under DeepSpeed.
 
     Returns:
-        An :class:`AcceleratedAccumulator`; run each microbatch in its ``microbatch(weight=...)``.
+        An :class:`AcceleratedAccumulator` (a :class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator`
+        under DeepSpeed); run each microbatch in its ``microbatch(weight=...)``.
 
     Raises:
-        GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; DeepSpeed or Megatron-LM,
-            which run their own backward and accumulation; several processes in the environment but no
+        GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; under DeepSpeed, ``model`` not
+            its engine, options given, or what :func:`gradagg.integrations.deepspeed.exact` refuses (ZeRO stage 0,
+            fp16, bf16, pipeline or tensor parallelism); Megatron-LM, which runs its own backward and
+            accumulation; several processes in the environment but no
             process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``: the accumulator's
             own check, see :func:`gradagg.torch.collectives.check_launcher_world`).
     """
     _check_accelerator(accelerator)
+    if "DEEPSPEED" in str(getattr(accelerator, "distributed_type", "")):
+        return _deepspeed(model, options)
     inner = getattr(optimizer, "optimizer", None)
     if not isinstance(inner, torch.optim.Optimizer):
         raise GradaggError(
@@ -121,8 +137,23 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any, **options: A
 
 def _check_accelerator(accelerator: Any) -> None:
     kind = str(getattr(accelerator, "distributed_type", ""))
-    if "DEEPSPEED" in kind or "MEGATRON" in kind:
+    if "MEGATRON" in kind:
         raise GradaggError(f"exact(accelerator, ...): {kind} runs its own backward and accumulation; not supported")
+
+
+def _deepspeed(engine: Any, options: dict[str, Any]) -> DeepSpeedAccumulator:
+    """The accumulator on the engine Accelerate prepared; its ``gradient_accumulation_steps`` may stay Accelerate's:
+    the engine steps only where Accelerate calls ``engine.step()``, once per window, on its sync microbatch."""
+    where = "exact(accelerator, model, optimizer) under DeepSpeed"
+    if options:
+        raise GradaggError(f"{where}: options {sorted(options)} apply to the DDP/FSDP accumulator, not DeepSpeed's")
+    if not hasattr(engine, "coalesce_grad_reduction"):
+        raise GradaggError(f"{where}: model is a {type(engine).__name__}, not the DeepSpeedEngine (0.19+) that "
+                           "accelerator.prepare returned")
+    try:
+        return DeepSpeedAccumulator(engine)
+    except GradaggError as exc:
+        raise GradaggError(f"{where}: {exc}") from exc
 
 
 __all__ = ["AcceleratedAccumulator", "exact"]

@@ -34,9 +34,11 @@ What it does, and why:
 ``engine.step`` and ``engine.backward`` are wrapped on the engine instance (``close()`` restores them): the
 backward never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
 microbatch poisons the window (``engine.step()`` then raises on every rank), and a step always steps. Under
-Accelerate's DeepSpeed plugin, ``acc = DeepSpeedAccumulator(engine)`` on the engine ``accelerator.prepare``
-returned, then ``with accelerator.accumulate(engine): with acc.microbatch(weight=n): accelerator.backward(loss_sum)``:
-Accelerate calls ``engine.step()`` inside the backward of its sync microbatch, which closes the window there.
+Accelerate's DeepSpeed plugin, ``acc = gradagg.integrations.accelerate.exact(accelerator, engine, optimizer)`` (this
+class on the engine ``accelerator.prepare`` returned), then ``with accelerator.accumulate(engine): with
+acc.microbatch(weight=n): accelerator.backward(loss_sum)``: Accelerate calls ``engine.step()`` inside the backward of
+its sync microbatch, which closes the window there; a Hugging Face ``Trainer`` with ``deepspeed=`` goes the same way
+under ``gradagg.integrations.transformers.exact(trainer)``.
 
 Memory: inside the window every rank holds the full local gradient of every parameter (DeepSpeed's coalesced
 reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition.

@@ -45,6 +45,14 @@ A microbatch that counts 0 runs its forward but its backward reaches no paramete
 refused at once; a negative, NaN or infinite one makes ``finish()`` refuse the window on every rank (a ``WindowError``
 naming the step, the rank, the microbatch and the value), and ``train()`` stops there without stepping.
 
+DeepSpeed (``TrainingArguments(deepspeed=...)``, ZeRO stage 1, 2 or 3, float32): the accumulator is a
+:class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` on the engine (the Trainer's ``model_wrapped``), built
+at the first step. The window is the Trainer's (``gradient_accumulation_steps``, which the Trainer also writes into
+DeepSpeed's config: left there, since the engine steps only where Accelerate's backward of the window's last
+microbatch calls ``engine.step()``, which finishes the window first); the backward never divides by those steps.
+DeepSpeed clips the exact gradient (``max_grad_norm`` is its ``gradient_clipping``) and the logged ``grad_norm`` is
+the norm it measured. ZeRO stage 0, fp16, bf16 and TRL trainers under DeepSpeed are refused by ``exact()``.
+
 TRL: ``SFTTrainer``, ``DPOTrainer`` (loss types that are a mean of a per-pair loss) and ``GRPOTrainer`` (its
 ``loss_type`` aggregated over the window, :mod:`gradagg.integrations._grpo`: its microbatch is opened in
 ``compute_loss``, once TRL generated and prepared it and its count is known) are made exact; every other TRL trainer
@@ -86,9 +94,10 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
 
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
-            not make exact (DeepSpeed, FSDP version 1, ``DataParallel`` over several GPUs, tensor, context or
-            sequence parallelism, a MoE auxiliary loss); a TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and
-            ``GRPOTrainer``, a ``DPOTrainer`` whose ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
+            not make exact (DeepSpeed ZeRO stage 0, fp16 or bf16, or with a TRL trainer; FSDP version 1,
+            ``DataParallel`` over several GPUs, tensor, context or sequence parallelism, a MoE auxiliary loss); a
+            TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, a ``DPOTrainer`` whose
+            ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
             ``weight=`` or that :func:`gradagg.integrations._grpo.check_grpo` refuses; a model or
             ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
             every rank: a TRL trainer whose ranks have different numbers of microbatches. During ``train()``: a
@@ -141,6 +150,11 @@ class _Exact:
 
             if self.acc is not None:
                 self.acc.close()
+            if self.trainer.is_deepspeed_enabled:  # model is the engine (the Trainer's model_wrapped)
+                from gradagg.integrations.deepspeed import DeepSpeedAccumulator
+
+                self.acc, self.model = DeepSpeedAccumulator(model), model
+                return self.acc
             if self.constant_buffers:
                 skip_buffer_sync(model)  # DDP's public attribute, not Accelerate's deprecated broadcast_buffers
             self.acc, self.model = MicrobatchAccumulator(model), model
@@ -157,12 +171,18 @@ class _Exact:
                 self.open_late = lambda n: stack.enter_context(acc.microbatch(weight=n, last=last))
             else:
                 self.pending = _count(self.count(inputs), step)
-                stack.enter_context(acc.microbatch(weight=self.pending, last=last))
+                stack.enter_context(_microbatch(acc, self.pending, last))
             try:
+                before = getattr(acc, "ledger", None)
                 loss = self.original_training_step(model, inputs, num_items_in_batch)
                 if self.open_late is not None:  # the same code on every rank: every rank raises here
                     raise GradaggError(f"step {step}: {type(self.trainer).__name__}.training_step did not call "
                                        "compute_loss: exact() could not count the microbatch")
+            except GradaggError as exc:
+                if last and self.trainer.is_deepspeed_enabled:  # the window refused in engine.step(), every rank
+                    self.window_loss = None
+                    raise _stopped(exc, step) from exc
+                raise
             finally:
                 self.pending, self.open_late = None, None
         part = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
@@ -170,15 +190,14 @@ class _Exact:
         device = self.trainer.args.device
         if not last:
             return torch.zeros((), device=device)
-        try:
-            ledger = acc.finish()  # refuses on every rank a count that cannot count (negative, NaN, infinite)
-        except GradaggError as exc:
-            self.close()  # the window is dropped here, on every rank (the accumulator's advice to discard() is done)
-            reason = exc.reason if isinstance(exc, WindowError) else str(exc)
-            raise type(exc)(
-                f"step {step}: exact() could not finish the Trainer's accumulation window: {reason}; train() stops "
-                "without stepping"
-            ) from exc
+        if self.trainer.is_deepspeed_enabled:
+            ledger = _deepspeed_ledger(acc, before, step)
+        else:
+            try:
+                ledger = acc.finish()  # refuses on every rank a count that cannot count (negative, NaN, infinite)
+            except GradaggError as exc:
+                self.close()  # the window is dropped here, on every rank (the accumulator's advice to discard())
+                raise _stopped(exc, step) from exc
         self.finished = True
         # The Trainer logs the mean over ranks of what the window's steps returned: each rank returns its share
         # of the global token mean times the number of ranks, so that the mean over ranks is the token mean.
@@ -230,6 +249,30 @@ class _Exact:
         return self.original_compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None) * divisor
 
 
+def _microbatch(acc: Any, weight: float, last: bool) -> Any:
+    """The accumulator's microbatch; DeepSpeed's window closes at ``engine.step()`` instead of a ``last`` mark."""
+    from gradagg.torch import MicrobatchAccumulator
+
+    if isinstance(acc, MicrobatchAccumulator):
+        return acc.microbatch(weight=weight, last=last)
+    return acc.microbatch(weight=weight)
+
+
+def _deepspeed_ledger(acc: Any, before: Any, step: int) -> Any:
+    """The window's ledger under DeepSpeed: Accelerate's backward of the sync microbatch ran ``engine.step()``,
+    which finished the window (before DeepSpeed's clip and optimizer step); refused if it did not."""
+    if acc.ledger is None or acc.ledger is before:
+        raise GradaggError(f"step {step}: the Trainer's last microbatch of the window did not run engine.step() "
+                           "(Accelerate's DeepSpeed backward with sync_gradients): the window was not finished")
+    return acc.ledger
+
+
+def _stopped(exc: GradaggError, step: int) -> GradaggError:
+    reason = exc.reason if isinstance(exc, WindowError) else str(exc)
+    return type(exc)(f"step {step}: exact() could not finish the Trainer's accumulation window: {reason}; train() "
+                     "stops without stepping")
+
+
 def _no_count(inputs: Mapping[str, Any]) -> object:
     raise AssertionError("GRPO's microbatches are counted in compute_loss")
 
@@ -254,8 +297,10 @@ def _resume_fsdp_reduction(fsdp_modules: list[Any]) -> None:
 
 
 def _zero_loss(loss: Any) -> Any:
-    """A zero that back-propagates into no parameter: a microbatch counting no token (its mean may be 0/0)."""
-    return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+    """A zero that back-propagates into no parameter: a microbatch counting no token (its mean may be 0/0).
+
+    Not a leaf: DeepSpeed's ``engine.backward`` refuses a loss without a ``grad_fn``."""
+    return torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True).clone()
 
 
 def _count(value: object, step: int) -> float:
@@ -358,7 +403,7 @@ def _check_setup(trainer: Any) -> None:
     name = type(trainer).__name__
     reasons = []
     if trainer.is_deepspeed_enabled:
-        reasons.append("DeepSpeed (its engine reduces and scales gradients itself)")
+        reasons.extend(_deepspeed_problems(trainer))
     if trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
         reasons.append("FSDP version 1 (use fsdp_config={'fsdp_version': 2})")
     if trainer.args.n_gpu > 1:
@@ -369,6 +414,24 @@ def _check_setup(trainer: Any) -> None:
         reasons.append("a MoE router auxiliary loss (a per-microbatch mean, not a token sum)")
     if reasons:
         raise GradaggError(f"exact() cannot make this {name} exact: {'; '.join(reasons)}")
+
+
+def _deepspeed_problems(trainer: Any) -> list[str]:
+    """What :class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` would refuse of the engine the Trainer will
+    build (ZeRO stage, precision), read from its DeepSpeed config; TRL trainers, untested under DeepSpeed."""
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    stage = int(plugin.zero_stage)
+    config = plugin.hf_ds_config
+    problems = []
+    if stage not in (1, 2, 3):
+        problems.append(f"DeepSpeed ZeRO stage {stage} (gradagg needs ZeRO stage 1, 2 or 3: its "
+                        "coalesce_grad_reduction, which keeps a window's gradients local, needs one)")
+    for dtype in ("fp16", "bf16"):
+        if config.is_true(f"{dtype}.enabled") or getattr(trainer.args, dtype, False):
+            problems.append(f"DeepSpeed with {dtype} (gradagg is verified with float32 only)")
+    if check_trl(trainer) is not None:
+        problems.append(f"a TRL {type(trainer).__name__} under DeepSpeed (not tested)")
+    return problems
 
 
 def _default_weight(trainer: Any) -> Weight:

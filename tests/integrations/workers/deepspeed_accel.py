@@ -20,7 +20,8 @@ VALID = [6, 2, 5, 3, 1, 4, 6, 2, 3, 5]  # valid tokens of each global sequence
 
 
 def accelerate_world(stage: int, loops: list[str]) -> dict[str, Any]:
-    """Each loop: "exact" (accelerator.backward(loss_sum) in acc.microbatch(weight=tokens)) or "native"
+    """Each loop: "exact" (accelerator.backward(loss_sum) in acc.microbatch(weight=tokens)), "line" (the same with
+    the accumulator from the one line users call, gradagg.integrations.accelerate.exact) or "native"
     (Accelerate's documented recipe with the mean loss): its per-step relative errors and step count. One ZeRO
     stage per world: Accelerate takes a DeepSpeed plugin at its first Accelerator only."""
     dz.launcher()
@@ -30,6 +31,7 @@ def accelerate_world(stage: int, loops: list[str]) -> dict[str, Any]:
 def _case(stage: int, loop: str, first: bool) -> dict[str, Any]:
     from accelerate import Accelerator, DeepSpeedPlugin
 
+    from gradagg.integrations import accelerate as integration
     from gradagg.integrations.deepspeed import DeepSpeedAccumulator
 
     plugin = DeepSpeedPlugin(hf_ds_config={
@@ -41,7 +43,8 @@ def _case(stage: int, loop: str, first: bool) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=dz.LR)
     loader = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)
     engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    acc = DeepSpeedAccumulator(engine) if loop == "exact" else None
+    acc = {"exact": DeepSpeedAccumulator, "line": lambda e: integration.exact(accelerator, e, optimizer)}.get(
+        loop, lambda e: None)(engine)
     errors, windows, seen, before = [], [], [], dz.full(engine)
     for (i,) in loader:
         seen.append(int(i))
@@ -58,8 +61,24 @@ def _case(stage: int, loop: str, first: bool) -> dict[str, Any]:
             windows.append(len(seen))
             errors.append(_error(engine, before, seen))
             seen, before = [], dz.full(engine)
+    if acc is not None:
+        acc.close()  # engine.step and engine.backward back to DeepSpeed's
     return {"errors": errors, "global_steps": engine.global_steps, "kind": str(accelerator.distributed_type),
-            "stage": int(engine.zero_optimization_stage()), "windows": windows}
+            "stage": int(engine.zero_optimization_stage()), "windows": windows,
+            "type": type(acc).__name__, "refused": _refusals(accelerator, engine, optimizer)}
+
+
+def _refusals(accelerator: Any, engine: Any, optimizer: Any) -> list[str]:
+    """What integrations.accelerate.exact says to a model that is not the engine, and to options."""
+    from gradagg.integrations import accelerate as integration
+
+    said = []
+    for model, options in ((engine.module, {}), (engine, {"bucket_mb": 4})):
+        try:
+            integration.exact(accelerator, model, optimizer, **options).close()
+        except Exception as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
 
 
 def _error(engine: Any, before: dict[str, torch.Tensor], seen: list[int]) -> float:

@@ -1,0 +1,89 @@
+"""What exact() refuses under DeepSpeed, before any engine runs: ZeRO stage 0, fp16 and bf16, for Accelerate's
+DeepSpeed plugin (integrations.accelerate.exact) and the Trainer's ``deepspeed=`` (integrations.transformers).
+
+Stand-ins for the engine and the Trainer's DeepSpeed config, so that this runs without DeepSpeed installed: the
+exact cases, on real engines, are tests/integrations/test_deepspeed.py and test_deepspeed_hf.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gradagg.errors import GradaggError
+from gradagg.integrations import accelerate as integration
+
+
+class _Engine:
+    """The DeepSpeedEngine methods gradagg reads, for one stage and precision."""
+
+    dp_world_size = 1
+
+    def __init__(self, stage: int, dtype: str = "float32") -> None:
+        self.stage, self.dtype = stage, dtype
+
+    def coalesce_grad_reduction(self) -> None:
+        raise AssertionError("a refused engine is never entered")
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.dtype == "bf16"
+
+    def managed_gradient_accumulation(self) -> bool:
+        return True
+
+
+DEEPSPEED = SimpleNamespace(distributed_type="DistributedType.DEEPSPEED")
+
+
+@pytest.mark.parametrize(
+    ("engine", "fragment"),
+    [(_Engine(0), "ZeRO stage 0 is not supported"), (_Engine(2, "bf16"), "ZeRO stage 2 with fp16 or bf16"),
+     (_Engine(3, "fp16"), "ZeRO stage 3 with fp16 or bf16"), (object(), "model is a object, not the DeepSpeedEngine")],
+)
+def test_accelerate_refuses_what_deepspeeds_accumulator_cannot_make_exact(engine: Any, fragment: str) -> None:
+    with pytest.raises(GradaggError, match="under DeepSpeed") as caught:
+        integration.exact(DEEPSPEED, engine, object())
+    assert fragment in str(caught.value), caught.value
+
+
+def test_accelerate_still_refuses_megatron() -> None:
+    with pytest.raises(GradaggError, match="MEGATRON_LM runs its own backward"):
+        integration.exact(SimpleNamespace(distributed_type="DistributedType.MEGATRON_LM"), _Engine(1), object())
+
+
+class _Config:
+    def __init__(self, enabled: set[str]) -> None:
+        self.enabled = enabled
+
+    def is_true(self, key: str) -> bool:
+        return key in self.enabled
+
+
+@pytest.mark.parametrize(
+    ("stage", "enabled", "args", "fragments"),
+    [(0, set(), {}, ["DeepSpeed ZeRO stage 0 (gradagg needs ZeRO stage 1, 2 or 3"]),
+     (2, {"bf16.enabled"}, {}, ["DeepSpeed with bf16"]),
+     (3, set(), {"fp16": True}, ["DeepSpeed with fp16"]),
+     (0, {"fp16.enabled"}, {}, ["ZeRO stage 0", "DeepSpeed with fp16"]),
+     (1, set(), {}, [])],
+)
+def test_the_trainer_refuses_what_deepspeeds_accumulator_cannot_make_exact(
+        stage: int, enabled: set[str], args: dict[str, bool], fragments: list[str]) -> None:
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    from gradagg.integrations.transformers import _deepspeed_problems
+
+    plugin = SimpleNamespace(zero_stage=stage, hf_ds_config=_Config(enabled))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+                              args=SimpleNamespace(**{"fp16": False, "bf16": False, **args}))
+    problems = _deepspeed_problems(trainer)
+    assert len(problems) == len(fragments), problems
+    for problem, fragment in zip(problems, fragments, strict=True):
+        assert fragment in problem, problems
