@@ -107,4 +107,30 @@ def default_weight(kind: str | None) -> Callable[[Mapping[str, Any]], object] | 
     return dpo_pairs if kind == "dpo" else None
 
 
-__all__ = ["check_trl", "default_weight", "dpo_pairs", "trl_trainer"]
+def check_even_microbatches(trainer: Any, loader: Any) -> None:
+    """Refuse, on every rank, a TRL trainer whose ranks would run different numbers of microbatches.
+
+    TRL's ``compute_loss`` gathers its metrics across ranks at every microbatch (``gather_for_metrics``): a rank
+    with one microbatch more would wait there for ever while the others wait in ``finish()``. The ranks' loader
+    lengths are gathered once, here, before the first microbatch (every rank reaches ``on_train_begin``).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    length = len(loader) if loader is not None and hasattr(loader, "__len__") else None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, length)
+    uneven = len(set(every)) > 1
+    unknown = None in every and not getattr(trainer.accelerator, "even_batches", True)
+    if uneven or unknown:
+        counts = ", ".join(f"rank {r}: {'unknown' if n is None else n}" for r, n in enumerate(every))
+        raise GradaggError(
+            f"exact() cannot train this {type(trainer).__name__} on ranks with different numbers of microbatches "
+            f"per epoch ({counts}): TRL gathers its metrics across ranks at every microbatch, so a rank with more "
+            "would wait for ever; keep Accelerate's even_batches=True (accelerator_config), or give every rank as "
+            "many batches"
+        )
+
+
+__all__ = ["check_even_microbatches", "check_trl", "default_weight", "dpo_pairs", "trl_trainer"]

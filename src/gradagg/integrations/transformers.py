@@ -73,7 +73,7 @@ from transformers import Trainer, TrainerCallback
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.integrations._tokens import label_tokens
-from gradagg.integrations._trl import check_trl, default_weight
+from gradagg.integrations._trl import check_even_microbatches, check_trl, default_weight
 
 Weight = Callable[[Mapping[str, Any]], object]
 _MARK = "_gradagg_exact"
@@ -334,7 +334,7 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hold.kind is not None:
-            _check_even_microbatches(self.hold.trainer, kwargs.get("train_dataloader"))
+            check_even_microbatches(self.hold.trainer, kwargs.get("train_dataloader"))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.hold.close()
@@ -347,32 +347,6 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
                 "gradient would be unreduced and its clip skipped"
             )
         self.hold.finished = False
-
-
-def _check_even_microbatches(trainer: Any, loader: Any) -> None:
-    """Refuse, on every rank, a TRL trainer whose ranks would run different numbers of microbatches.
-
-    TRL's ``compute_loss`` gathers its metrics across ranks at every microbatch (``gather_for_metrics``): a rank
-    with one microbatch more would wait there for ever while the others wait in ``finish()``. The ranks' loader
-    lengths are gathered once, here, before the first microbatch (every rank reaches ``on_train_begin``).
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    length = len(loader) if loader is not None and hasattr(loader, "__len__") else None
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, length)
-    uneven = len(set(every)) > 1
-    unknown = None in every and not getattr(trainer.accelerator, "even_batches", True)
-    if uneven or unknown:
-        counts = ", ".join(f"rank {r}: {'unknown' if n is None else n}" for r, n in enumerate(every))
-        raise GradaggError(
-            f"exact() cannot train this {type(trainer).__name__} on ranks with different numbers of microbatches "
-            f"per epoch ({counts}): TRL gathers its metrics across ranks at every microbatch, so a rank with more "
-            "would wait for ever; keep Accelerate's even_batches=True (accelerator_config), or give every rank as "
-            "many batches"
-        )
 
 
 def _check_trainer(trainer: Any) -> None:
