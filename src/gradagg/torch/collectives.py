@@ -173,17 +173,6 @@ def get_world_size(group: Group = None) -> int:
     return dist.get_world_size(group) if is_distributed(group) else 1
 
 
-def group_ranks(group: Group = None) -> tuple[int, ...]:
-    """The global ranks of ``group``, in its order; ``(0,)`` with no process group (or a group of one).
-
-    >>> group_ranks()
-    (0,)
-    """
-    if not is_distributed(group):
-        return (0,)
-    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-
-
 def device_for(group: Group = None) -> torch.device:
     """The device a collective buffer must live on for ``group``'s backend.
 

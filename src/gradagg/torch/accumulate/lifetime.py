@@ -25,9 +25,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from gradagg.errors import GradaggError
 from gradagg.torch import guard
+from gradagg.torch.collectives import Group, is_distributed
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
@@ -61,6 +63,17 @@ def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], ranks: Seque
     serial = _serials.get(fingerprint, 0)
     _serials[fingerprint] = serial + 1
     return serial, fingerprint
+
+
+def group_ranks(group: Group) -> tuple[int, ...]:
+    """The global ranks of ``group``, in its order; ``(0,)`` with no process group (or a group of one).
+
+    >>> group_ranks(None)
+    (0,)
+    """
+    if not is_distributed(group):
+        return (0,)
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 def refuse_shared(names: Sequence[str], tensors: Sequence[torch.Tensor], site: str) -> None:
@@ -105,4 +118,4 @@ def release(state: State) -> None:
         state.fsdp.restore()
 
 
-__all__ = ["identify", "refuse_shared", "release", "user_site"]
+__all__ = ["group_ranks", "identify", "refuse_shared", "release", "user_site"]

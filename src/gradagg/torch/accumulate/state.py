@@ -32,7 +32,6 @@ from gradagg.torch.collectives import (
     device_for,
     get_rank,
     get_world_size,
-    group_ranks,
 )
 
 _BYTES_PER_MB = 2**20
@@ -170,7 +169,7 @@ def build(
     ddp = DdpHold(params.ddp, group, params.local) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
     state.pad = pad
-    state.site, state.identity = site, lifetime.identify(params.names, params.tensors, group_ranks(group))
+    state.site, state.identity = site, lifetime.identify(params.names, params.tensors, lifetime.group_ranks(group))
     return state
 
 
