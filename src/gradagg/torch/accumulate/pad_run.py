@@ -94,9 +94,9 @@ def _stand_in(state: State, watch: Watch, exc: Exception, running: list[int], fa
     if backend_error(exc):
         raise _peer_failed(state, exc, running) from exc
     if watch.output is not None:
-        parts = [t.sum() * 0.0 for t in _tensors(watch.output) if t.is_floating_point() and t.requires_grad]
-        if parts:
-            return torch.stack(parts).sum()
+        loss = zero_loss(watch.output)
+        if loss is not None:
+            return loss
     elif not watch.started and state.kept is not None:
         return replay(state)
     raise GradaggError(
@@ -192,6 +192,19 @@ def replay(state: State) -> torch.Tensor:
     if not parts:
         raise GradaggError("pad='replay': the module's output holds no floating tensor with a gradient; pass pad=fn")
     return torch.stack(parts).sum()
+
+
+def zero_loss(output: object) -> torch.Tensor | None:
+    """A zero loss that back-propagates zeros through every floating output tensor with a gradient; None if none.
+
+    What stands in for a failed loss, so that the collectives a backward drives (FSDP's, a pipeline's) still pair.
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> zero_loss({"logits": x * 2, "ids": torch.tensor([1])}).item(), zero_loss(torch.tensor([1]))
+    (0.0, None)
+    """
+    parts = [t.sum() * 0.0 for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
+    return torch.stack(parts).sum() if parts else None
 
 
 def _tensors(obj: object) -> Iterator[torch.Tensor]:

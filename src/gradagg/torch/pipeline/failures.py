@@ -13,18 +13,16 @@ their receives, which :func:`schedule_failure` names).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from gradagg.errors import GradaggError, WindowError, first_line
+from gradagg.torch.accumulate.pad_run import zero_loss
 from gradagg.torch.collectives import Group, all_gather_object, get_rank
 
 
 def substitute(output: object) -> torch.Tensor | None:
-    """A zero loss that back-propagates zeros through every floating output tensor with a gradient; None if none."""
-    parts = [t.sum() * 0.0 for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
-    return torch.stack(parts).sum() if parts else None
+    """A zero loss standing in for a failed loss function (see :func:`~gradagg.torch.accumulate.pad_run.zero_loss`)."""
+    return zero_loss(output)
 
 
 def what_failed(exc: BaseException) -> str:
@@ -60,14 +58,3 @@ def schedule_failure(exc: BaseException, pp: Group) -> WindowError:
         "stage failed or left and this rank's point-to-point transfer with it broke); the step's gradients are "
         "unusable: every gradient here is now None"
     )
-
-
-def _tensors(obj: object) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _tensors(v)
