@@ -52,6 +52,13 @@ class MicrobatchAccumulator:
             given twice (tied weights) is one parameter.
         group: a process group, or None for the default one; with no process group at all the accumulator
             works in one process with no communication.
+        mesh: a ``DeviceMesh`` with named dims, instead of ``group`` (or with a ``group`` of the same ranks): the
+            accumulator counts and reduces over the ranks that differ from this one on its data dims (``dp``,
+            ``dp_replicate``, ``dp_shard``, ``cp`` and the flattened ``fsdp``, ``batch``, ``loss``,
+            ``dp_shard_cp``, ``dp_cp``: their ranks hold different tokens, a context-parallel rank part of every
+            sequence), one group per coordinate on ``tp`` and ``pp`` (their ranks hold the same tokens, never
+            counted again). Under FSDP2 the FSDP mesh must span the same ranks. The :class:`Ledger` names the
+            dims (``counted_over``, ``reduced_over``). See :mod:`gradagg.torch.accumulate.meshes`.
         nonfinite: ``"propagate"`` (default): NaN and Inf flow through the sum, identically on every rank;
             ``"raise"``: :meth:`finish` raises :class:`NonFiniteGradientError` on every rank, naming the
             ranks whose gradients were non-finite.
@@ -66,10 +73,12 @@ class MicrobatchAccumulator:
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
 
     Raises:
-        GradaggError: an invalid option; an unsupported FSDP2 layout; DTensor parameters outside ``fully_shard``;
-            ``DDP(static_graph=True)``; a parameter on the meta device; a parameter another live accumulator
-            holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare tensors that cannot be
-            told apart across ranks (every rank).
+        GradaggError: an invalid option; a ``mesh`` whose dims are unnamed or named otherwise than above (each
+            named, with how to name it), or that disagrees with ``group`` (both named); an FSDP2 mesh over other
+            ranks than the accumulator's group (both named); an unsupported FSDP2 layout; DTensor parameters
+            outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the meta device; a parameter
+            another live accumulator holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare
+            tensors that cannot be told apart across ranks (every rank).
         CollectiveError: the ranks' parameter lists differ (compared with one small ``all_gather_object`` at
             construction, which every rank of the group runs: build accumulators in the same order on every rank).
 
@@ -88,12 +97,13 @@ class MicrobatchAccumulator:
         module_or_params: ParamSource,
         *,
         group: Group = None,
+        mesh: Any = None,
         nonfinite: NonFinite = "propagate",
         fsdp: Mode = "shards",
         bucket_mb: float = 25.0,
         pad: Pad = "replay",
     ) -> None:
-        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad)
+        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad, mesh)
         # dropped without close(): released as close() would (nothing the state holds refers back to self)
         self._release = weakref.finalize(self, lifetime.release, self._state)
         self._release.atexit = False

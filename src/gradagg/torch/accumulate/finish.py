@@ -222,6 +222,7 @@ def local_ledger(
     return Ledger(
         rank=get_rank(state.group),
         world_size=get_world_size(state.group),
+        span=state.span,
         microbatches_local=w.m,
         microbatches_global=None if counts is None else sum(counts.per_rank),
         microbatches_per_rank=None if counts is None else tuple(counts.per_rank),

@@ -19,6 +19,37 @@ WEIGHTING = ("none", "unweighted", "weighted", "divided ahead")
 
 
 @dataclass(frozen=True)
+class Span:
+    """Which ranks a window was counted and reduced over, and the device-mesh dims they span.
+
+    Attributes:
+        ranks: the global ranks of the accumulator's group, sorted (``(0,)`` with no process group).
+        counted_over: the mesh dims the divisor was counted over (``("dp", "cp")``); ``()`` without ``mesh=``.
+        reduced_over: where FSDP2 reduce-scatters the sharded gradients, its mesh's dims (its mean undone: a sum,
+            divided once by D); ``()`` where gradagg's own collectives reduce over the group counted over.
+
+    >>> Span(ranks=(0, 1, 2, 3), counted_over=("dp", "cp")).text()
+    ['counted and reduced over dp x cp: global ranks [0, 1, 2, 3]']
+    """
+
+    ranks: tuple[int, ...] = (0,)
+    counted_over: tuple[str, ...] = ()
+    reduced_over: tuple[str, ...] = ()
+
+    def text(self) -> list[str]:
+        """The report's lines: which group counted, which reduced (none for one process without a mesh)."""
+        if not self.counted_over and self.ranks == (0,):
+            return []
+        over = f"{' x '.join(self.counted_over)}: " if self.counted_over else "the group of "
+        if not self.reduced_over:
+            return [f"counted and reduced over {over}global ranks {list(self.ranks)}"]
+        return [
+            f"counted over {over}global ranks {list(self.ranks)}",
+            f"reduced over {' x '.join(self.reduced_over)} by FSDP2 (its mean undone: summed, divided once by D)",
+        ]
+
+
+@dataclass(frozen=True)
 class Ledger:
     """What one accumulation window counted. Global fields are None until :meth:`~MicrobatchAccumulator.finish`.
 
@@ -41,6 +72,8 @@ class Ledger:
         rank_local: parameters kept rank-local, not reduced (DDP's ``parameters_to_ignore``): each rank's own sum.
         rank_local_divisor: what they were divided by, this rank's own count (None before finish, or where this
             rank counted nothing: their gradient is then None).
+        span: which ranks (and device-mesh dims) the window was counted and reduced over: see :class:`Span`,
+            and ``counted_over`` / ``reduced_over``.
 
     >>> Ledger(rank=0, world_size=1, microbatches_local=2, microbatches_global=2, microbatches_per_rank=(2,),
     ...        divisor=2, participation_local={"w": 1}, participation_global={"w": 1}).divisor
@@ -63,6 +96,17 @@ class Ledger:
     terms: dict[str, float] | None = field(default=None)
     rank_local: tuple[str, ...] = ()
     rank_local_divisor: float | None = None
+    span: Span = Span()
+
+    @property
+    def counted_over(self) -> tuple[str, ...]:
+        """The mesh dims the divisor was counted over (``()`` without ``mesh=``: see ``span.ranks``)."""
+        return self.span.counted_over
+
+    @property
+    def reduced_over(self) -> tuple[str, ...]:
+        """The mesh dims FSDP2 reduced the sharded gradients over (``()``: gradagg reduced over ``counted_over``)."""
+        return self.span.reduced_over
 
     def report(self) -> str:
         """A readable table of the window: M, the divisor and what it counted, participation per parameter.
@@ -72,6 +116,7 @@ class Ledger:
         """
         lines = [f"accumulation window, rank {self.rank} of {self.world_size}", self._counts_line()]
         lines += self._divisor_lines()
+        lines += self.span.text()
         width = max([len("parameter")] + [len(n) for n in self.participation_local])
         lines.append(f"{'parameter':<{width}}  {'local':>6}  {'global':>6}")
         for name, local in self.participation_local.items():
@@ -107,4 +152,4 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-__all__ = ["DIVIDED", "NONE", "UNWEIGHTED", "WEIGHTED", "WEIGHTING", "Ledger"]
+__all__ = ["DIVIDED", "NONE", "UNWEIGHTED", "WEIGHTED", "WEIGHTING", "Ledger", "Span"]

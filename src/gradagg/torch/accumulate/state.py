@@ -10,7 +10,7 @@ module's objects. The fixed part (parameters, group, FSDP and DDP sides, the lay
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -21,7 +21,8 @@ from gradagg.torch.accumulate import lifetime
 from gradagg.torch.accumulate.ddp import DdpHold, ddp_group
 from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
 from gradagg.torch.accumulate.fsdp import FsdpParams, Mode, check_mode
-from gradagg.torch.accumulate.ledger import Ledger
+from gradagg.torch.accumulate.ledger import Ledger, Span
+from gradagg.torch.accumulate.meshes import check_fsdp_mesh, span_of
 from gradagg.torch.accumulate.params import Params, ParamSource
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
@@ -68,6 +69,7 @@ class State:
             it travels with the window's counters so that ranks finishing different accumulators all refuse.
         site: where the user's code built it (``file:line``), to name it in messages.
         finished: windows finished so far (the same count on every rank), read by the guard.
+        span: the group's global ranks, the mesh dims counted over (``mesh=``) and those FSDP2 reduces over.
     """
 
     params: Params
@@ -95,6 +97,7 @@ class State:
     finished: int = 0
     site: str = "?"
     superseded: str | None = None  # where the newer accumulator that closed this one was built (see .lifetime)
+    span: Span = Span()
 
     @property
     def names(self) -> list[str]:
@@ -137,7 +140,13 @@ class State:
 
 
 def build(
-    source: ParamSource, group: Group, nonfinite: NonFinite, fsdp: Mode, bucket_mb: float, pad: Pad = "replay"
+    source: ParamSource,
+    group: Group,
+    nonfinite: NonFinite,
+    fsdp: Mode,
+    bucket_mb: float,
+    pad: Pad = "replay",
+    mesh: Any = None,
 ) -> State:
     """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.opening.install`).
 
@@ -145,15 +154,18 @@ def build(
         GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; a ``group`` this process is not
             in; a DDP module whose ``process_group`` holds other ranks than ``group``; ``bucket_mb`` not a positive
             number; an invalid ``fsdp`` or ``pad``; DTensors without their module; a parameter on the meta device;
-            the errors of :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+            an FSDP2 mesh over other ranks than the group; the errors of :func:`~.meshes.span_of`,
+            :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
     """
     check_launcher_world("MicrobatchAccumulator")
+    group, span = span_of(mesh, group)  # the data dims' group, when a mesh is given
     check_member(group, "MicrobatchAccumulator")
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     params = Params.collect(source)
     if params.ddp is not None:
         group = ddp_group(params.ddp, group)  # DDP's own group, or a refusal of another one
+        span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
     meta = next((n for n, t in zip(params.names, params.tensors) if t.is_meta), None)
     if meta is not None:
         raise GradaggError(
@@ -164,24 +176,28 @@ def build(
         raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
     site = lifetime.user_site()
     lifetime.refuse_shared(params.names, params.tensors, site)
-    fsdp_side = _fsdp_side(params, fsdp, group)
+    fsdp_side, span = _fsdp_side(params, fsdp, group, span)
     # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
     ddp = DdpHold(params.ddp, group, params.local) if params.ddp is not None else None
     state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
-    state.pad = pad
+    state.pad, state.span = pad, span
     state.site, state.identity = site, lifetime.identify(params.names, params.tensors, lifetime.group_ranks(group))
     return state
 
 
-def _fsdp_side(params: Params, mode: Mode, group: Group) -> FsdpParams | None:
+def _fsdp_side(params: Params, mode: Mode, group: Group, span: Span) -> tuple[FsdpParams | None, Span]:
     sharded = params.sharded
     if not sharded:
         check_mode(mode)
-        return None
+        return None, span
     if params.module is None:
         raise GradaggError("DTensor parameters: pass the module fully_shard was applied to, not its parameters")
     names = [params.names[i] for i in sharded]
-    return FsdpParams(params.module, names, [params.tensors[i] for i in sharded], mode, get_world_size(group))
+    fsdp_mesh = params.tensors[sharded[0]].device_mesh  # type: ignore[attr-defined]
+    if get_world_size(group) > 1:
+        check_fsdp_mesh(fsdp_mesh, span)  # before FsdpParams configures the modules
+    side = FsdpParams(params.module, names, [params.tensors[i] for i in sharded], mode, get_world_size(group))
+    return side, replace(span, reduced_over=tuple(fsdp_mesh.mesh_dim_names or ("FSDP2's mesh",)))
 
 
 def _build_layout(state: State) -> FlatLayout:

@@ -1,0 +1,104 @@
+"""The accumulator's group read from a DeviceMesh (issue 23, item 4): context parallel counted once over dp x cp,
+tensor-parallel peers not counted again, FSDP2 over the flattened dp_shard x cp, the dims named in the ledger.
+
+One world of 4 gloo ranks runs every case (workers: ``tests.torch.workers.meshes``); the tests below read its
+results. The float64 truths are one process over the whole sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gradagg.errors import GradaggError
+from gradagg.testing import run_local_world
+from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.accumulate.ledger import Span
+from tests.torch.workers import meshes
+
+WORLD: dict[str, Any] = {"collective_timeout_s": 30.0, "timeout_s": 300.0, "preload": ["torch._dynamo"]}
+REL = 1e-12  # float64, a few dozen terms summed in another order than the one-process run: a few ulps
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict[str, Any]]:
+    return run_local_world(meshes.mesh_world, 4, 5, **WORLD)
+
+
+def test_cp_tokens_count_once_over_dp_x_cp(world: list[dict[str, Any]]) -> None:
+    """Mesh ("dp", "cp") = (2, 2), 1 and 3 microbatches per dp replica, rank 1 with no valid token: token-mean and
+    seq-mean-token-mean are the float64 truth. verl#5983's count (tokens over this cp rank's dp group only) misses
+    the other cp rank's tokens: the two cp coordinates' dp-only counts add up to D, each D / 2 on average (the cp
+    size), so 1 / factor(cp 0) + 1 / factor(cp 1) = 1, and the gradient is off on every rank."""
+    assert world[1]["dp x cp"]["valid"] == 0 and all(w["dp x cp"]["valid"] > 0 for i, w in enumerate(world) if i != 1)
+    for r, res in enumerate(world):
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            case = res["dp x cp"][mode]
+            assert case["err"] <= REL, (r, mode, case["err"])
+            assert case["divisor"] == world[0]["dp x cp"][mode]["divisor"], (r, mode)
+            assert case["counted_over"] == ("dp", "cp") and case["ranks"] == (0, 1, 2, 3), (r, case)
+            assert "counted and reduced over dp x cp: global ranks [0, 1, 2, 3]" in case["report"], case["report"]
+        tm = res["dp x cp"]["token-mean"]
+        assert tm["dp_only_err"] > 0.3 and tm["dp_only_factor"] > 1.5, (r, tm)  # the undercount, seen
+    factors = [world[cp]["dp x cp"]["token-mean"]["dp_only_factor"] for cp in (0, 1)]  # ranks 0, 1: cp 0, cp 1
+    assert abs(1 / factors[0] + 1 / factors[1] - 1) < 1e-12, factors  # token counts: exact up to one rounding
+
+
+def test_tp_peers_are_not_counted_again(world: list[dict[str, Any]]) -> None:
+    """Mesh ("dp", "cp", "tp") = (1, 2, 2), w split over tp by hand: each tp coordinate counts over its dp x cp
+    ranks {tp, tp + 2}; D is the window's T valid tokens (the whole world would count 2T), gradients exact."""
+    for r, res in enumerate(world):
+        tp = res["tp"]
+        assert tp["err"] <= REL, (r, tp["err"])
+        assert tp["divisor"] == tp["tokens"] and tp["world_count"] == 2 * tp["tokens"], (r, tp)
+        assert tp["counted_over"] == ("dp", "cp") and tp["ranks"] == (r % 2, r % 2 + 2), (r, tp)
+
+
+def test_fsdp2_over_flattened_dp_shard_cp(world: list[dict[str, Any]]) -> None:
+    """FSDP2 on ("dp_shard_cp",) of 4 ranks, the accumulator on ("dp_shard", "cp") = (2, 2), 1 and 3 microbatches:
+    FSDP's reduce-scatter summed (its mean undone), divided once by the tokens over dp_shard x cp."""
+    for r, res in enumerate(world):
+        f = res["fsdp"]
+        assert f["err"] <= REL, (r, f["err"])
+        assert f["counted_over"] == ("dp_shard", "cp") and f["reduced_over"] == ("dp_shard_cp",), (r, f)
+        assert "reduced over dp_shard_cp by FSDP2" in f["report"], f["report"]
+
+
+def test_refuses_an_ambiguous_dim_name(world: list[dict[str, Any]]) -> None:
+    for res in world:
+        msg = res["refusals"]["sp"]
+        assert "['sp']" in msg and "name it 'cp'" in msg and "'tp'" in msg, msg
+
+
+def test_refuses_an_unnamed_mesh(world: list[dict[str, Any]]) -> None:
+    for res in world:
+        assert "has no dim names" in res["refusals"]["unnamed"], res["refusals"]["unnamed"]
+
+
+def test_refuses_a_group_that_disagrees_with_the_mesh(world: list[dict[str, Any]]) -> None:
+    for r, res in enumerate(world):
+        msg = res["refusals"]["group"]
+        want = f"group= holds global ranks {[r - r % 2, r - r % 2 + 1]}, but mesh= says this rank counts over dp x cp"
+        assert want in msg, msg
+
+
+def test_refuses_an_fsdp_mesh_over_other_ranks(world: list[dict[str, Any]]) -> None:
+    """FSDP over the dp ranks {cp, cp + 2}, the accumulator over the cp ranks: both of 2, accepted before."""
+    for r, res in enumerate(world):
+        msg = res["refusals"]["fsdp"]
+        assert f"over global ranks {[r % 2, r % 2 + 2]}" in msg and f"ranks {[r - r % 2, r - r % 2 + 1]}" in msg, msg
+
+
+def test_refuses_what_is_not_a_mesh() -> None:
+    with pytest.raises(GradaggError, match="mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"):
+        MicrobatchAccumulator(torch.nn.Linear(1, 1), mesh="dp")
+
+
+def test_span_lines() -> None:
+    """One process without a mesh: no line; a group: its ranks; FSDP2: both groups."""
+    assert Span().text() == []
+    assert Span(ranks=(0, 1)).text() == ["counted and reduced over the group of global ranks [0, 1]"]
+    both = Span(ranks=(0, 1, 2, 3), counted_over=("dp_shard", "cp"), reduced_over=("dp_shard_cp",)).text()
+    assert both[0] == "counted over dp_shard x cp: global ranks [0, 1, 2, 3]" and "dp_shard_cp by FSDP2" in both[1]
