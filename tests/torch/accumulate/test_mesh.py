@@ -63,7 +63,9 @@ def test_fsdp2_over_flattened_dp_shard_cp(world: list[dict[str, Any]]) -> None:
         f = res["fsdp"]
         assert f["err"] <= REL, (r, f["err"])
         assert f["counted_over"] == ("dp_shard", "cp") and f["reduced_over"] == ("dp_shard_cp",), (r, f)
-        assert "reduced over dp_shard_cp by FSDP2" in f["report"], f["report"]
+        lines = ["counted over dp_shard x cp: global ranks [0, 1, 2, 3]",  # as docs/howto/rl.md shows them
+                 "reduced over dp_shard_cp by FSDP2 (its mean undone: summed, divided once by D)"]
+        assert "\n".join(lines) in f["report"], f["report"]
 
 
 def test_refuses_an_ambiguous_dim_name(world: list[dict[str, Any]]) -> None:
