@@ -7,6 +7,9 @@ results. The float64 truths are one process over the whole sequences.
 
 from __future__ import annotations
 
+import itertools
+import math
+import random
 from typing import Any
 
 import pytest
@@ -15,8 +18,9 @@ import torch
 from gradagg.errors import GradaggError
 from gradagg.testing import run_local_world
 from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.accumulate import meshes
 from gradagg.torch.accumulate.ledger import Span
-from tests.torch.workers import meshes
+from tests.torch.workers import meshes as workers
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 30.0, "timeout_s": 300.0, "preload": ["torch._dynamo"]}
 REL = 1e-12  # float64, a few dozen terms summed in another order than the one-process run: a few ulps
@@ -24,7 +28,7 @@ REL = 1e-12  # float64, a few dozen terms summed in another order than the one-p
 
 @pytest.fixture(scope="module")
 def world() -> list[dict[str, Any]]:
-    return run_local_world(meshes.mesh_world, 4, 5, **WORLD)
+    return run_local_world(workers.mesh_world, 4, 5, **WORLD)
 
 
 def test_cp_tokens_count_once_over_dp_x_cp(world: list[dict[str, Any]]) -> None:
@@ -68,6 +72,13 @@ def test_fsdp2_over_flattened_dp_shard_cp(world: list[dict[str, Any]]) -> None:
         assert "\n".join(lines) in f["report"], f["report"]
 
 
+def test_a_mesh_over_part_of_the_world(world: list[dict[str, Any]]) -> None:
+    """("dp", "cp") of one pipeline stage, ranks {0, 1} or {2, 3}, rank r weighing r + 1: D = 3 or 7."""
+    for r, res in enumerate(world):
+        want = (0, 1) if r < 2 else (2, 3)
+        assert res["stage"] == {"divisor": sum(want) + 2, "ranks": want, "counted_over": ("dp", "cp")}, (r, res)
+
+
 def test_refuses_an_ambiguous_dim_name(world: list[dict[str, Any]]) -> None:
     for res in world:
         msg = res["refusals"]["sp"]
@@ -104,3 +115,32 @@ def test_span_lines() -> None:
     assert Span(ranks=(0, 1)).text() == ["counted and reduced over the group of global ranks [0, 1]"]
     both = Span(ranks=(0, 1, 2, 3), counted_over=("dp_shard", "cp"), reduced_over=("dp_shard_cp",)).text()
     assert both[0] == "counted over dp_shard x cp: global ranks [0, 1, 2, 3]" and "dp_shard_cp by FSDP2" in both[1]
+
+
+def test_data_groups_fuzz() -> None:
+    """Seeded: random meshes of 1 to 4 dims (sizes 1 to 3, ranks in a random order), each dim a data or a replica
+    dim. groups_along against the definition (the ranks sharing a rank's coordinate on every replica dim), and the
+    groups partition the mesh, each of the data dims' product of sizes. The known wrong fixes are caught: the
+    data dims' own groups (verl#5983 counting over dp of (dp, cp)) and the whole mesh (tp peers counted)."""
+    seed = random.randrange(2**32)
+    rnd = random.Random(seed)
+    for _ in range(300):
+        shape = [rnd.randint(1, 3) for _ in range(rnd.randint(1, 4))]
+        names = [rnd.choice(["dp", "dp_shard", "cp", "fsdp", "tp", "pp"]) + str(i) for i in range(len(shape))]
+        data = [n for n in names if not n.startswith(("tp", "pp"))]
+        ranks = torch.randperm(math.prod(shape), generator=torch.Generator().manual_seed(rnd.randrange(2**31)))
+        ranks = ranks.reshape(shape)
+        got = meshes.groups_along(ranks, [n.rstrip("0123") for n in names], [n.rstrip("0123") for n in data])
+        coords = {int(ranks[idx]): idx for idx in itertools.product(*(range(s) for s in shape))}
+        replica = [i for i, n in enumerate(names) if n not in data]
+        for g in got:
+            want = sorted(r for r, c in coords.items() if all(c[i] == coords[g[0]][i] for i in replica))
+            assert g == want, (seed, shape, names, g, want)
+        size = math.prod(s for s, n in zip(shape, names) if n in data)
+        assert sorted(r for g in got for r in g) == list(range(ranks.numel())), seed
+        assert all(len(g) == size for g in got), (seed, shape, names)
+    dp_cp = meshes.groups_along(torch.arange(4).reshape(2, 2), ["dp", "cp"], ["dp", "cp"])
+    assert dp_cp == [[0, 1, 2, 3]] != meshes.groups_along(torch.arange(4).reshape(2, 2), ["dp", "cp"], ["dp"])
+    tp = meshes.groups_along(torch.arange(4).reshape(2, 2), ["dp", "tp"], ["dp"])
+    assert tp == [[0, 2], [1, 3]] != meshes.groups_along(torch.arange(4).reshape(2, 2), ["dp", "tp"], ["dp", "tp"])
+    print(f"seed {seed}")

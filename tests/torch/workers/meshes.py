@@ -10,6 +10,7 @@ the cp group), its sequences split by hand over the cp ranks. Cases, each agains
   partial outputs summed over tp; counted over dp x cp, one group per tp coordinate (a flattened group);
   beside it the count over the whole world, doubled by the tp peers;
 * FSDP2 on a 1-D ``("dp_shard_cp",)`` mesh of the 4 ranks, the accumulator on ``("dp_shard", "cp") = (2, 2)``;
+* one pipeline stage's ``("dp", "cp")`` mesh, over half the world;
 * the refusals: an ambiguous dim name, an unnamed mesh, a group that disagrees with the mesh, an FSDP2 mesh over
   other ranks than the accumulator's group (same size: accepted before).
 """
@@ -77,7 +78,23 @@ def mesh_world(seed: int) -> dict[str, Any]:
     out["dp x cp"] = _dp_cp(mesh, seed)
     out["tp"] = _tp(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp")), seed)
     out["fsdp"] = _fsdp(seed)
+    out["stage"] = _stage()
     return out
+
+
+def _stage() -> dict[str, Any]:
+    """One pipeline stage's mesh, ``("dp", "cp")`` of 2 ranks sliced from ``("pp", "dp", "cp") = (2, 1, 2)``: a
+    mesh over part of the world, its flattened group built by its own ranks only. Rank r weighs r + 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    stage = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "cp"))["dp", "cp"]
+    lin = wm.model()
+    acc = MicrobatchAccumulator(lin, mesh=stage)
+    with acc.microbatch(weight=dist.get_rank() + 1):
+        lin(torch.ones(1, wm.D, dtype=torch.float64)).sum().backward()
+    ledger = acc.finish()
+    acc.close()
+    return {"divisor": ledger.divisor, "ranks": ledger.span.ranks, "counted_over": ledger.counted_over}
 
 
 def _window(seed: int) -> list[wm.Sequence]:

@@ -15,15 +15,20 @@ tokens in torchtitan, where expert parallel is carved out of dp_shard x cp x tp;
 split in verl but Megatron's split of activations inside tp).
 
 Groups: one data dim is the mesh's own group (``DeviceMesh.get_group``); the whole default world is the
-default group (None); several dims are flattened into one group with the public
-``dist.new_group(ranks, use_local_synchronization=True)`` (only the group's ranks call it, so a mesh that
-does not span the world, e.g. one pipeline stage's, works), made once per set of ranks and kept.
+default group (None); several dims are flattened into one group with public APIs (not the private
+``DeviceMesh._flatten``), made once per set of ranks and kept: on a mesh over the whole world every rank
+builds every data group in one order (``dist.new_subgroups_by_enumeration``); on a mesh over part of it
+(one pipeline stage's) only the group's own ranks can, with ``dist.new_group(ranks,
+use_local_synchronization=True)``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from gradagg.errors import GradaggError
@@ -110,12 +115,32 @@ def data_ranks(mesh: Any, data: tuple[str, ...]) -> list[int]:
     Raises:
         GradaggError: this rank is not in ``mesh``.
     """
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        raise GradaggError(f"global rank {dist.get_rank()} is not in mesh {mesh}: pass this rank's own mesh")
-    names = mesh.mesh_dim_names
-    index = tuple(slice(None) if n in data else c for n, c in zip(names, coordinate))
-    return sorted(int(r) for r in mesh.mesh[index].reshape(-1).tolist())
+    me = dist.get_rank()
+    mine = [g for g in groups_along(mesh.mesh, mesh.mesh_dim_names, data) if me in g]
+    if not mine:
+        raise GradaggError(f"global rank {me} is not in mesh {mesh}: pass this rank's own mesh")
+    return mine[0]
+
+
+def groups_along(ranks: torch.Tensor, names: Sequence[str], data: Sequence[str]) -> list[list[int]]:
+    """Every data group of a mesh: its ranks split by coordinate on the dims not in ``data``, each group sorted.
+
+    Args:
+        ranks: the mesh's global ranks, one dim per mesh dim (``DeviceMesh.mesh``).
+        names: the mesh's dim names.
+        data: the names of the data dims.
+
+    Returns:
+        The groups, in the mesh's order of the other dims' coordinates.
+
+    >>> groups_along(torch.arange(8).reshape(2, 2, 2), ("dp", "cp", "tp"), ("dp", "cp"))
+    [[0, 2, 4, 6], [1, 3, 5, 7]]
+    """
+    inner = [i for i, n in enumerate(names) if n in data]
+    outer = [i for i, n in enumerate(names) if n not in data]
+    size = math.prod(ranks.shape[i] for i in inner)
+    rows = ranks.permute(*outer, *inner).reshape(-1, size).tolist()
+    return [sorted(int(r) for r in row) for row in rows]
 
 
 def data_group(mesh: Any) -> Group:
@@ -141,10 +166,25 @@ def _group_of(mesh: Any, data: tuple[str, ...], ranks: list[int]) -> Group:
     key = tuple(ranks)
     made = _made.get(key)
     if made is None or made[0] is not dist.group.WORLD:  # a group of an earlier, destroyed world is no group
-        # only the members call: the other ranks build their own data groups (or none), in no common order
-        made = (dist.group.WORLD, dist.new_group(ranks, use_local_synchronization=True))
+        made = (dist.group.WORLD, _new_group(mesh, data, ranks))
         _made[key] = made
     return made[1]
+
+
+def _new_group(mesh: Any, data: tuple[str, ...], ranks: list[int]) -> Group:
+    everyone = groups_along(mesh.mesh, mesh.mesh_dim_names, data)
+    if sorted(r for g in everyone for r in g) == list(range(dist.get_world_size())):
+        # every rank of the world builds every data group, in the mesh's order: new_group's own contract
+        return dist.new_subgroups_by_enumeration(everyone)[0]  # type: ignore[no-untyped-call]
+    # a mesh over part of the world (one pipeline stage's, say): only its ranks call here, so only a group's own
+    # ranks may build it (named by a hash of its ranks, which another group of the same ranks would already hold)
+    try:
+        return dist.new_group(ranks, use_local_synchronization=True)
+    except ValueError as exc:
+        raise GradaggError(
+            f"mesh {mesh}: the group of global ranks {ranks} ({_dims(data)}) could not be built ({exc}); pass "
+            "the world's mesh, or group= that group"
+        ) from None
 
 
 def _dims(data: tuple[str, ...]) -> str:
@@ -172,4 +212,13 @@ def check_fsdp_mesh(fsdp_mesh: Any, span: Span) -> None:
         )
 
 
-__all__ = ["DATA_DIMS", "REPLICA_DIMS", "check_fsdp_mesh", "data_dims", "data_group", "data_ranks", "span_of"]
+__all__ = [
+    "DATA_DIMS",
+    "REPLICA_DIMS",
+    "check_fsdp_mesh",
+    "data_dims",
+    "data_group",
+    "data_ranks",
+    "groups_along",
+    "span_of",
+]
