@@ -106,7 +106,7 @@ def test_refuses_an_fsdp_mesh_over_other_ranks(world: list[dict[str, Any]]) -> N
 
 def test_refuses_what_is_not_a_mesh() -> None:
     with pytest.raises(GradaggError, match="mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"):
-        MicrobatchAccumulator(torch.nn.Linear(1, 1), mesh="dp")
+        MicrobatchAccumulator(torch.nn.Linear(1, 1), mesh="dp")  # type: ignore[arg-type]
 
 
 def test_span_lines() -> None:

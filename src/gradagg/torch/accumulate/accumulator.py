@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,6 +23,9 @@ from gradagg.torch.accumulate.params import ParamSource
 from gradagg.torch.accumulate.state import Pad, State, build
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
 from gradagg.torch.collectives import Group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 T = TypeVar("T")
 
@@ -97,7 +100,7 @@ class MicrobatchAccumulator:
         module_or_params: ParamSource,
         *,
         group: Group = None,
-        mesh: Any = None,
+        mesh: DeviceMesh | None = None,
         nonfinite: NonFinite = "propagate",
         fsdp: Mode = "shards",
         bucket_mb: float = 25.0,
