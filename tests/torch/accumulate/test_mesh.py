@@ -68,7 +68,7 @@ def test_fsdp2_over_flattened_dp_shard_cp(world: list[dict[str, Any]]) -> None:
         assert f["err"] <= REL, (r, f["err"])
         assert f["counted_over"] == ("dp_shard", "cp") and f["reduced_over"] == ("dp_shard_cp",), (r, f)
         lines = ["counted over dp_shard x cp: global ranks [0, 1, 2, 3]",  # as docs/howto/rl.md shows them
-                 "reduced over dp_shard_cp by FSDP2 (its mean undone: summed, divided once by D)"]
+                 "reduced over dp_shard_cp, FSDP2's mesh: summed (FSDP's own mean not taken), divided once by D"]
         assert "\n".join(lines) in f["report"], f["report"]
 
 
@@ -114,7 +114,7 @@ def test_span_lines() -> None:
     assert Span().text() == []
     assert Span(ranks=(0, 1)).text() == ["counted and reduced over the group of global ranks [0, 1]"]
     both = Span(ranks=(0, 1, 2, 3), counted_over=("dp_shard", "cp"), reduced_over=("dp_shard_cp",)).text()
-    assert both[0] == "counted over dp_shard x cp: global ranks [0, 1, 2, 3]" and "dp_shard_cp by FSDP2" in both[1]
+    assert both[0] == "counted over dp_shard x cp: global ranks [0, 1, 2, 3]" and "dp_shard_cp, FSDP2's mesh" in both[1]
 
 
 def test_data_groups_fuzz() -> None:

@@ -84,12 +84,13 @@ def mesh_world(seed: int) -> dict[str, Any]:
 
 def _stage() -> dict[str, Any]:
     """One pipeline stage's mesh, ``("dp", "cp")`` of 2 ranks sliced from ``("pp", "dp", "cp") = (2, 1, 2)``: a
-    mesh over part of the world, its flattened group built by its own ranks only. Rank r weighs r + 1."""
+    mesh over part of the world, its flattened group built by its own ranks only, given as ``group=`` (a mesh there
+    is ``mesh=``). Rank r weighs r + 1."""
     from torch.distributed.device_mesh import init_device_mesh
 
     stage = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "cp"))["dp", "cp"]
     lin = wm.model()
-    acc = MicrobatchAccumulator(lin, mesh=stage)
+    acc = MicrobatchAccumulator(lin, group=stage)
     with acc.microbatch(weight=dist.get_rank() + 1):
         lin(torch.ones(1, wm.D, dtype=torch.float64)).sum().backward()
     ledger = acc.finish()

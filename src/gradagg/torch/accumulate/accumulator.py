@@ -54,7 +54,7 @@ class MicrobatchAccumulator:
             Parameters without ``requires_grad`` are ignored (one unfrozen later is an error); a tensor
             given twice (tied weights) is one parameter.
         group: a process group, or None for the default one; with no process group at all the accumulator
-            works in one process with no communication.
+            works in one process with no communication. A ``DeviceMesh`` here is taken as ``mesh``.
         mesh: a ``DeviceMesh`` with named dims, instead of ``group`` (or with a ``group`` of the same ranks): the
             accumulator counts and reduces over the ranks that differ from this one on its data dims (``dp``,
             ``dp_replicate``, ``dp_shard``, ``cp`` and the flattened ``fsdp``, ``batch``, ``loss``,

@@ -25,8 +25,8 @@ class Span:
     Attributes:
         ranks: the global ranks of the accumulator's group, sorted (``(0,)`` with no process group).
         counted_over: the mesh dims the divisor was counted over (``("dp", "cp")``); ``()`` without ``mesh=``.
-        reduced_over: where FSDP2 reduce-scatters the sharded gradients, its mesh's dims (its mean undone: a sum,
-            divided once by D); ``()`` where gradagg's own collectives reduce over the group counted over.
+        reduced_over: under FSDP2, its mesh's dims, over which the sharded gradients are summed (FSDP's own mean
+            never taken) and then divided once by D; ``()`` where gradagg reduces over the group counted over.
 
     >>> Span(ranks=(0, 1, 2, 3), counted_over=("dp", "cp")).text()
     ['counted and reduced over dp x cp: global ranks [0, 1, 2, 3]']
@@ -45,7 +45,8 @@ class Span:
             return [f"counted and reduced over {over}global ranks {list(self.ranks)}"]
         return [
             f"counted over {over}global ranks {list(self.ranks)}",
-            f"reduced over {' x '.join(self.reduced_over)} by FSDP2 (its mean undone: summed, divided once by D)",
+            f"reduced over {' x '.join(self.reduced_over)}, FSDP2's mesh: summed (FSDP's own mean not taken), divided "
+            "once by D",
         ]
 
 

@@ -41,7 +41,8 @@ DATA_DIMS = ("dp", "dp_replicate", "dp_shard", "cp", "fsdp", "batch", "loss", "d
 REPLICA_DIMS = ("tp", "pp")
 """Mesh dims whose ranks hold the same tokens: one group per coordinate, never counted over."""
 _REFUSED = {
-    "ep": "expert-parallel ranks hold different tokens where ep is carved out of dp_shard x cp (torchtitan)",
+    "ep": "expert-parallel ranks hold different tokens where ep is carved out of dp_shard x cp (torchtitan): pass "
+    "the dense mesh, without ep",
     "efsdp": "torchtitan's efsdp spans tp ranks as well as data ranks",
     "sp": "'sp' is a split of the tokens in verl's Ulysses (name it 'cp') but of activations inside tp in Megatron "
     "(name it 'tp')",
@@ -55,7 +56,7 @@ def span_of(mesh: Any, group: Group) -> tuple[Group, Span]:
 
     Args:
         mesh: a ``torch.distributed.device_mesh.DeviceMesh`` with named dims, or None.
-        group: the process group given to the accumulator (None: none given).
+        group: the process group given to the accumulator (None: none given); a DeviceMesh there is ``mesh``.
 
     Returns:
         ``(group, span)``: the group of the ranks that differ from this one on the mesh's data dims (the
@@ -66,6 +67,10 @@ def span_of(mesh: Any, group: Group) -> tuple[Group, Span]:
             named, with how to name them); this rank outside the mesh; a ``group`` holding other ranks than
             the mesh's data dims (naming both).
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is None and isinstance(group, DeviceMesh):
+        mesh, group = group, None
     if mesh is None:
         return group, Span(ranks=tuple(sorted(group_ranks(group))))
     data = data_dims(mesh)
