@@ -27,7 +27,8 @@ private attributes); each imports only those listed before it:
 * :mod:`.ledger` (the report and the weighting codes), :mod:`.window` (one window's counters and buffers),
   :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
   :mod:`.ddp` and :mod:`.fsdp` (the wrappers' own synchronisation held off), :mod:`.lifetime` (one live
-  accumulator per parameter, released when dropped, the same identity on every rank);
+  accumulator per parameter, released when dropped, the same identity on every rank), :mod:`.meshes` (the
+  group read from a device mesh: its data dims, dp x cp, not tp);
 * :mod:`.state` (the one object), :mod:`.shards` (FSDP2's shards-form sums), :mod:`.hooks` (gradients
   into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens;
   the hooks installed), :mod:`.padding` (the shards form's rounds: uneven counts, a short rank pads),
