@@ -197,7 +197,8 @@ def _fsdp_side(params: Params, mode: Mode, group: Group, span: Span) -> tuple[Fs
     if get_world_size(group) > 1:
         check_fsdp_mesh(fsdp_mesh, span)  # before FsdpParams configures the modules
     side = FsdpParams(params.module, names, [params.tensors[i] for i in sharded], mode, get_world_size(group))
-    return side, replace(span, reduced_over=tuple(fsdp_mesh.mesh_dim_names or ("FSDP2's mesh",)))
+    dims = fsdp_mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(fsdp_mesh.ndim))  # an unnamed mesh
+    return side, replace(span, reduced_over=tuple(dims))
 
 
 def _build_layout(state: State) -> FlatLayout:
