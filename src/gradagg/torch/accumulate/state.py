@@ -95,6 +95,7 @@ class State:
     finished: int = 0
     site: str = "?"
     superseded: str | None = None  # where the newer accumulator that closed this one was built (see .lifetime)
+    terms: tuple[str, ...] = ()  # the loss terms counted as the window runs (see .terms_after); () without
 
     @property
     def names(self) -> list[str]:
