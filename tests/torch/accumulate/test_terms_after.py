@@ -155,3 +155,12 @@ def test_extra_buffers_are_one_per_term_beyond_the_first_and_freed() -> None:
     assert torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # 1/1 + 2/2 + 3/3
     assert ledger.terms == {"a": 1.0, "b": 2.0, "c": 3.0} and acc.state.window.term_sums is None
     acc.close()
+
+
+def test_fsdp2_window_form_exact_and_shards_form_refused() -> None:
+    """fully_shard, fsdp='window': the flat buffer is the window's, so terms work as on plain modules (uneven split,
+    and a rank with none); the shards form reduces each backward itself and is refused, naming fsdp='window'."""
+    for r in run_local_world(tw.fsdp_world, 2, **WORLD):
+        for split in ("uneven", "zero"):
+            assert r[split][0] < TOL, (split, r[split])
+        assert r["shards"] is not None and r["shards"][0] == "GradaggError" and "fsdp='window'" in r["shards"][1]

@@ -280,3 +280,27 @@ def _hand_set(acc: MicrobatchAccumulator, model: Model) -> None:
         if dist.get_rank() == 1:
             model.v.bias.grad = torch.ones_like(model.v.bias)
     acc.finish()
+
+
+def fsdp_world() -> dict[str, Any]:
+    """FSDP2 on 2 ranks (the trunk and the root sharded): the window form on the uneven split, every term, against
+    the truth; the shards form (the default) refused at construction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    model = Model()
+    fully_shard(model.trunk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = MicrobatchAccumulator(model, fsdp="window", terms=TERMS)
+    for split_name, split in (("uneven", UNEVEN), ("zero", ZERO)):
+        run(acc, model, split[dist.get_rank()])
+        ledger = acc.finish()
+        got = [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr]
+        out[split_name] = (max_error(got, truth(split)), ledger.terms)  # type: ignore[arg-type]
+        for p in model.parameters():
+            p.grad = None
+    acc.close()
+    out["shards"] = error_of(lambda: MicrobatchAccumulator(model, terms=TERMS))
+    return out
