@@ -152,7 +152,7 @@ def test_extra_buffers_are_one_per_term_beyond_the_first_and_freed() -> None:
         assert sums is not None and sorted(sums.bufs) == ["b", "c"] and sums.main == "a"
         assert all(b.numel() == acc.state.layout().size for b in sums.bufs.values())
     ledger = acc.finish()
-    assert torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # 1/1 + 2/2 + 3/3
+    assert w.grad is not None and torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # 1/1 + 2/2 + 3/3
     assert ledger.terms == {"a": 1.0, "b": 2.0, "c": 3.0} and acc.state.window.term_sums is None
     acc.close()
 

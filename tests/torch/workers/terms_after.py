@@ -204,7 +204,7 @@ def three_world() -> dict[str, Any]:
 # --- refusals: each case returns (error class, message) or None on every rank ---------------------------------------
 
 
-def _case(body: Callable[[MicrobatchAccumulator, Model], None], terms: tuple[str, ...] = INVARIANT,
+def _case(body: Callable[[MicrobatchAccumulator, Model], object], terms: tuple[str, ...] = INVARIANT,
           **options: Any) -> tuple[str, str] | None:
     model, made = Model(), []
     refused = error_of(lambda: made.append(MicrobatchAccumulator(model, terms=terms, **options)))
@@ -249,7 +249,7 @@ def refusals_world() -> dict[str, Any]:
         "forgotten_count": _case(_forgotten_count),
         "names_differ": _case(lambda a, m: None, ("policy", "kl") if rank == 0 else ("policy", "nll")),
         "weight": _case(_weighted),
-        "divisors": _case(lambda a, m: a.divisors({"policy": 1})),  # type: ignore[func-returns-value]
+        "divisors": _case(lambda a, m: a.divisors({"policy": 1})),
         "unknown_term": _case(lambda a, m: _one(a, m, "polcy")),
         "negative_count": _case(lambda a, m: _one(a, m, "policy", -2 if rank == 1 else 5)),
         "nonfinite": _case(lambda a, m: _one(a, m, "policy", 5, float("nan") if rank == 0 else 1.0),
