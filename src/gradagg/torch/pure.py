@@ -39,6 +39,12 @@ class PureAccumulator:
     ...         (w * x).sum().backward()
     >>> pure.finish(); w.grad  # (1 + 5) / (1 + 3)
     tensor([1.5000])
+    >>> w.grad = None; twin = PureAccumulator([w], terms=("a", "b"))
+    >>> with twin.microbatch() as mb:
+    ...     mb.backward("a", 6 * w.sum(), count=3)
+    ...     mb.backward("b", 8 * w.sum())
+    >>> twin.count("b", 4); twin.finish(); w.grad  # 6 / 3 + 8 / 4
+    tensor([4.])
     """
 
     def __init__(self, params: Iterable[torch.Tensor], group: Any = None, terms: Iterable[str] = ()) -> None:
