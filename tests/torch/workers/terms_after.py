@@ -99,9 +99,10 @@ def truth(split: Split, terms: tuple[str, ...] = TERMS, how: str = "exact") -> l
 
 
 def run(acc: Any, model: nn.Module, mine: list[list[int]], terms: tuple[str, ...] = TERMS) -> None:
-    """This rank's microbatches: every term's backward (retain_graph for all but the last), nll counted after."""
+    """This rank's microbatches: every term's backward (retain_graph for all but the last), nll counted after.
+    Through ``acc.microbatches()`` where the accumulator has it: the last microbatch is marked."""
     survivors = 0
-    for rows in mine:
+    for rows in acc.microbatches(mine) if hasattr(acc, "microbatches") else mine:
         with acc.microbatch() as mb:
             parts = term_losses(model, rows)  # type: ignore[arg-type]
             for k, t in enumerate(terms):
@@ -134,8 +135,8 @@ def accumulate(kind: str, split: Split, terms: tuple[str, ...] = TERMS) -> tuple
     wrapped: nn.Module = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
     if kind == "pure":
         acc: Any = PureAccumulator(list(model.parameters()), terms=terms)
-    else:
-        acc = MicrobatchAccumulator(wrapped, terms=terms)
+    else:  # buckets of ~8 float64 elements: several, so that a bucket sent early would show (none is, with terms)
+        acc = MicrobatchAccumulator(wrapped, terms=terms, bucket_mb=8 * 8 / 2**20)
     run(acc, wrapped, split[rank], terms)
     ledger = acc.finish()
     if kind != "pure":
