@@ -220,7 +220,8 @@ def _case(body: Callable[[MicrobatchAccumulator, Model], object], terms: tuple[s
 
 
 def _plain_backward(acc: MicrobatchAccumulator, model: Model) -> None:
-    run(acc, model, [[0, 1]], INVARIANT)
+    with acc.microbatch() as mb:
+        mb.backward("policy", *term_losses(model, [0, 1])["policy"])
     with acc.microbatch():
         if dist.get_rank() == 0:
             term_losses(model, [2])["policy"][0].backward()  # type: ignore[no-untyped-call]
