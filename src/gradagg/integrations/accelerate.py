@@ -50,6 +50,7 @@ import torch
 from gradagg.errors import GradaggError, WindowError
 from gradagg.integrations.deepspeed import DeepSpeedAccumulator
 from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.accumulate.terms_after import Microbatch
 
 
 class AcceleratedAccumulator(MicrobatchAccumulator):
@@ -65,7 +66,7 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
         self._accelerator = accelerator
 
     @contextlib.contextmanager
-    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[None]:
+    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[Microbatch]:
         """One microbatch, as :meth:`MicrobatchAccumulator.microbatch`; the window closes after it when
         ``accelerator.sync_gradients`` is set.
 
@@ -74,8 +75,8 @@ class AcceleratedAccumulator(MicrobatchAccumulator):
         """
         acc = self._accelerator
         step = acc.step
-        with _undivided(acc), super().microbatch(weight, last=last or bool(acc.sync_gradients)):
-            yield
+        with _undivided(acc), super().microbatch(weight, last=last or bool(acc.sync_gradients)) as mb:
+            yield mb
         if acc.step != step:
             raise WindowError(
                 "accelerator.accumulate() was entered inside acc.microbatch(): enter acc.microbatch() inside "

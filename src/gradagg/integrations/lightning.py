@@ -62,7 +62,7 @@ class ExactAccumulation(Callback):
         self._options = options
         self._acc: MicrobatchAccumulator | None = None
         self._weight: object = None
-        self._open: contextlib.AbstractContextManager[None] | None = None
+        self._open: contextlib.AbstractContextManager[object] | None = None
         self._batch_idx = -1
 
     @property

@@ -9,7 +9,10 @@ where the divisor D is counted by the accumulator and summed in the same collect
 M, the number of microbatches actually run on all ranks; or, with ``microbatch(weight=w)``, the sum of
 all the window's weights on all ranks (back-propagate the *sum*-reduced loss and weight each microbatch
 by its number of valid tokens: the result is the gradient of the global token mean); or 1, when the loss
-terms were divided by global divisors counted ahead (:meth:`~MicrobatchAccumulator.divisors`). A
+terms were divided by global divisors counted ahead (:meth:`~MicrobatchAccumulator.divisors`). With
+``terms=(...)``, each loss term's sum has its own divisor, counted as the window runs (a count may come after the
+term's backward, even after the last microbatch): ``.grad`` = sum over terms of the term's sum / D_term (see
+:mod:`.terms_after`). A
 parameter absent from a microbatch contributes zero and still counts; one absent from every microbatch on
 every rank keeps ``grad is None``. Gradients that are exactly zero as a window opens
 (``zero_grad(set_to_none=False)``) are absent, set to None; any other gradient then present is refused.
@@ -32,7 +35,8 @@ private attributes); each imports only those listed before it:
 * :mod:`.state` (the one object), :mod:`.shards` (FSDP2's shards-form sums), :mod:`.hooks` (gradients
   into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens;
   the hooks installed), :mod:`.padding` (the shards form's rounds: uneven counts, a short rank pads),
-  :mod:`.terms` (divisors counted ahead), :mod:`.finish` (a window closes), :mod:`.attaching` (finishing
+  :mod:`.terms` (divisors counted ahead), :mod:`.terms_after` (terms counted as the window runs, each divided
+  in ``finish()``), :mod:`.finish` (a window closes), :mod:`.attaching` (finishing
   from an optimizer's step);
 * :mod:`.accumulator`: the public class, a thin shell over the state.
 
@@ -43,5 +47,6 @@ from __future__ import annotations
 
 from gradagg.torch.accumulate.accumulator import MicrobatchAccumulator
 from gradagg.torch.accumulate.ledger import Ledger
+from gradagg.torch.accumulate.terms_after import Microbatch
 
-__all__ = ["Ledger", "MicrobatchAccumulator"]
+__all__ = ["Ledger", "Microbatch", "MicrobatchAccumulator"]

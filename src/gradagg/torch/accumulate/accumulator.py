@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from gradagg.errors import WindowError
+from gradagg.errors import GradaggError, WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, padding, terms
+from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, padding, terms, terms_after
 from gradagg.torch.accumulate import finish as finishing
 from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
 from gradagg.torch.accumulate.params import ParamSource
 from gradagg.torch.accumulate.state import Pad, State, build
+from gradagg.torch.accumulate.terms_after import Microbatch
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
 from gradagg.torch.collectives import Group
 
@@ -74,6 +75,9 @@ class MicrobatchAccumulator:
             (default: the module's last forward inputs run again), or None (uneven counts then raise
             GradaggError on every rank). Unused without FSDP2 and by the window form.
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
+        terms: names of loss terms, each divided by its own count over the window on all ranks, counted as the
+            window runs (see :mod:`.terms_after`): every backward is then ``mb.backward(term, loss, count=...)``,
+            and a count may also come later, by :meth:`count`. The same names on every rank.
 
     Raises:
         GradaggError: an invalid option; a ``mesh`` whose dims are unnamed or named otherwise than above (each
@@ -81,9 +85,11 @@ class MicrobatchAccumulator:
             ranks than the accumulator's group (both named); an unsupported FSDP2 layout; DTensor parameters
             outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the meta device; a parameter
             another live accumulator holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare
-            tensors that cannot be told apart across ranks (every rank).
-        CollectiveError: the ranks' parameter lists differ (compared with one small ``all_gather_object`` at
-            construction, which every rank of the group runs: build accumulators in the same order on every rank).
+            tensors that cannot be told apart across ranks (every rank); ``terms`` that are not distinct names, or
+            with FSDP2's shards form or DDP's ``parameters_to_ignore`` (see :mod:`.terms_after`).
+        CollectiveError: the ranks' parameter lists, or their ``terms``, differ (compared with one small
+            ``all_gather_object`` at construction, which every rank of the group runs: build accumulators in the
+            same order on every rank).
 
     >>> lin = torch.nn.Linear(1, 1, bias=False)
     >>> acc = MicrobatchAccumulator(lin)
@@ -105,8 +111,14 @@ class MicrobatchAccumulator:
         fsdp: Mode = "shards",
         bucket_mb: float = 25.0,
         pad: Pad = "replay",
+        terms: Iterable[str] | None = None,
     ) -> None:
         self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad, mesh)
+        try:
+            self._state.terms = terms_after.check_names(terms, self._state)
+        except BaseException:
+            lifetime.release(self._state)  # DDP and FSDP2 given their own synchronisation back
+            raise
         # dropped without close(): released as close() would (nothing the state holds refers back to self)
         self._release = weakref.finalize(self, lifetime.release, self._state)
         self._release.atexit = False
@@ -117,8 +129,12 @@ class MicrobatchAccumulator:
     # --- the window ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[None]:
+    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[Microbatch]:
         """One microbatch: run its backward (the unscaled loss) inside the ``with``.
+
+        With ``terms=``, run each loss term's backward as ``mb.backward(term, loss, count=...)`` on the
+        :class:`~.terms_after.Microbatch` it yields (``with acc.microbatch() as mb:``); a plain backward is then
+        refused.
 
         A microbatch that raises after a gradient was accumulated poisons the window (:meth:`finish` then
         raises on every rank until :meth:`discard`); one that raises before touching any gradient (e.g.
@@ -131,12 +147,12 @@ class MicrobatchAccumulator:
         Args:
             weight: what this microbatch counts for in the divisor (e.g. its number of valid tokens): a
                 non-negative number or 0-dim tensor. Weight every microbatch of the window or none; without
-                weights D = M.
+                weights D = M. Not with ``terms=`` (each term has its count).
             last: this is the rank's last microbatch of the window: complete buckets leave during its
                 backward. Set for you by :meth:`microbatches`.
 
         Returns:
-            A context manager.
+            A context manager yielding the microbatch's :class:`~.terms_after.Microbatch` (ignore it without terms).
 
         Raises:
             WindowError: nested microbatches (a non-zero gradient present as the window opens is refused by
@@ -156,12 +172,16 @@ class MicrobatchAccumulator:
         hooks.refuse_hand_set(st, f"before microbatch {w.m}")
         if w.last_done:
             w.fail(LATE, f"microbatch {w.m} runs after the microbatch marked last")
-        w.note_weighting(value)
+        if st.terms:
+            terms_after.enter(st, value)
+        else:
+            w.note_weighting(value)
         if st.fsdp is not None:
             st.fsdp.set_all_reduce(padding.all_reduce_now(st, last, lookahead))
-        w.in_microbatch, w.seen, w.in_last = True, set(), padding.sends_early(st, last)
+        # with terms, no bucket leaves early: a term's divisor is known only when every count is in
+        w.in_microbatch, w.seen, w.in_last = True, set(), padding.sends_early(st, last) and not st.terms
         try:
-            yield
+            yield Microbatch(st, w.m)
             hooks.take_hand_set(st)
         except BaseException as exc:
             if w.seen:
@@ -227,19 +247,50 @@ class MicrobatchAccumulator:
 
         Raises:
             WindowError: called after the window's first microbatch, or twice in a window.
-            GradaggError: a count that is not a non-negative number; a term totalling 0 (every rank).
+            GradaggError: a count that is not a non-negative number; a term totalling 0 (every rank); an accumulator
+                built with ``terms=`` (its terms are counted as the window runs: see :meth:`count`).
             CollectiveError: ranks gave different names (every rank, naming them).
 
         >>> acc = MicrobatchAccumulator([torch.zeros(1, requires_grad=True)])
         >>> acc.divisors({"tokens": 7, "microbatches": 2})
         {'tokens': 7.0, 'microbatches': 2.0}
         """
-        w = self._open_state().window
+        if self._open_state().terms:
+            raise GradaggError(
+                "divisors() on an accumulator built with terms=: its loss terms are counted as the window runs "
+                "(mb.backward(term, loss, count=...), acc.count(term, n)); use one way or the other"
+            )
+        w = self._state.window
         if w.open or w.terms is not None:
             raise WindowError("divisors() must come once per window, before its first microbatch")
         totals = terms.count_terms(local, self._state.group)
         w.terms_local, w.terms, w.mode = dict(terms.local_terms(local)), totals, DIVIDED
         return dict(totals)
+
+    def count(self, term: str, n: object) -> None:
+        """Add ``n`` to this rank's count of loss term ``term`` in the current window (an accumulator with ``terms=``).
+
+        Any time before :meth:`finish`, inside a microbatch or not, any number of times: e.g. after the last
+        microbatch, the tokens that survived a filter inside the loss. Local (no collective).
+
+        Args:
+            term: one of the accumulator's ``terms``.
+            n: a non-negative number or 0-dim tensor (a tensor's value is taken now, without a host sync).
+
+        Raises:
+            GradaggError: an accumulator without ``terms=``; ``n`` not a real number or 0-dim tensor. An unknown
+                ``term``, or a negative, NaN or infinite ``n``, is refused by :meth:`finish` on every rank.
+
+        >>> w = torch.ones(1, requires_grad=True)
+        >>> acc = MicrobatchAccumulator([("w", w)], terms=("nll",))
+        >>> for k in (1.0, 2.0):
+        ...     with acc.microbatch() as mb:
+        ...         mb.backward("nll", k * w.sum())
+        >>> acc.count("nll", 6)     # known only now
+        >>> acc.finish().terms, w.grad
+        ({'nll': 6.0}, tensor([0.5000]))
+        """
+        terms_after.count(self._open_state(), term, n)
 
     def finish(self) -> Ledger:
         """Close the window: every ``.grad`` becomes the sum over all microbatches of all ranks / D.
@@ -259,7 +310,9 @@ class MicrobatchAccumulator:
                 unweighted microbatches mixed, a parameter unfrozen after construction, a ``.grad`` set by hand
                 outside a microbatch) or had non-zero gradients before it opened (exact zeros, a
                 ``zero_grad(set_to_none=False)``'s leftovers, count as absent); when M = 0, or the total weight is 0 or
-                beyond what the gradients' dtype can be divided by; when called inside a microbatch.
+                beyond what the gradients' dtype can be divided by; when called inside a microbatch; with ``terms=``,
+                the refusals listed in :mod:`.terms_after` (a backward outside ``mb.backward()``, a term counted 0
+                with a non-zero gradient, ...).
             NonFiniteGradientError: on every rank, with ``nonfinite="raise"`` and a NaN or Inf gradient.
             CollectiveError: a collective failed or timed out.
         """

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, padding, shards
+from gradagg.torch.accumulate import hooks, opening, padding, shards, terms_after
 from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
-from gradagg.torch.accumulate.ledger import DIVIDED, NONE, WEIGHTED, WEIGHTING, Ledger
+from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import (
     KEPT,
@@ -91,6 +91,8 @@ def _prepare(state: State) -> None:
     problem = weight_problem(w.weights, weight_values(w.weights))
     if problem is not None:
         w.fail(WEIGHT, problem)
+    if state.terms:  # every rank: each term counted over the ranks, then divided into the window's buffer
+        terms_after.settle(state)
 
 
 def _exchange(state: State) -> Counts:
@@ -133,13 +135,14 @@ def _refuse_other_accumulators(state: State, counts: Counts) -> None:
 
 
 def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
-    """D from the reduced counters (the same on every rank): M, the total weight, or 1.
+    """D from the reduced counters (the same on every rank): M, the total weight, or 1 (terms divided ahead, or each
+    by its own count before the exchange).
 
     Raises:
         WindowError: a total weight of 0, beyond float64, or outside what the buffer's dtype can divide by
             (a float32 buffer cannot hold D = 1e39: every gradient would become 0 or NaN).
     """
-    if mode == DIVIDED:
+    if mode in (DIVIDED, TERMS):
         return 1
     if mode != WEIGHTED:
         return m

@@ -11,11 +11,12 @@ the user sets by hand inside a microbatch is taken the same way when the microba
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
 from gradagg.torch.accumulate.state import State
-from gradagg.torch.accumulate.window import HAND_SET, LATE, OUTSIDE, UNSUPPORTED
+from gradagg.torch.accumulate.window import HAND_SET, LATE, NO_TERM, OUTSIDE, TERM, UNSUPPORTED, Into
 
 OnGrad = Callable[[State, int, torch.Tensor], None]
 
@@ -48,15 +49,33 @@ def on_grad(state: State, i: int, param: torch.Tensor) -> None:
                 f"parameter {state.names[i]!r} got a gradient after its bucket was sent "
                 "(a second backward in the microbatch marked last, or a .grad set by hand after it?)",
             )
-        else:
+        elif w.into is None:
             layout = state.layout()
             with torch.no_grad():
                 layout.add(w.flat, i, grad, first=layout.copies_first() and i not in w.written)
             w.written.add(i)
+        else:  # loss terms: into the running term's own sum
+            add_term(state, i, grad, w.into)
         param.grad = None
     w.seen.add(i)
     if w.in_last and w.sender is not None:
         w.sender.ready(i)
+
+
+def add_term(state: State, i: int, grad: torch.Tensor, into: Into) -> None:
+    """The hook's path with loss terms (see :mod:`.terms_after`): the gradient into the running term's sum."""
+    w = state.window
+    if into is NO_TERM:
+        w.fail(TERM, f"parameter {state.names[i]!r} got a gradient in microbatch {w.m} outside mb.backward(term, ...) "
+                     "(a plain backward, or a .grad set by hand): with loss terms, every backward names its term")
+        return
+    layout = state.layout()
+    with torch.no_grad():
+        if into.buf is None:  # the rank's first term: the window's own buffer, as without terms
+            layout.add(cast(torch.Tensor, w.flat), i, grad, first=layout.copies_first() and i not in w.written)
+            w.written.add(i)
+        else:  # a zeroed buffer of its own
+            layout.add(into.buf, i, grad)
 
 
 def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
@@ -92,4 +111,4 @@ def refuse_hand_set(state: State, where: str) -> None:
         state.window.fail(HAND_SET, f"parameter {name!r} has a .grad set by hand {where}: no microbatch counts it")
 
 
-__all__ = ["hook", "hooked_grads", "on_grad", "refuse_hand_set", "take_hand_set"]
+__all__ = ["add_term", "hook", "hooked_grads", "on_grad", "refuse_hand_set", "take_hand_set"]

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NONE, UNWEIGHTED, WEIGHTED, DIVIDED = range(4)
+NONE, UNWEIGHTED, WEIGHTED, DIVIDED, TERMS = range(5)
 """How a rank's window was counted: the code that travels in the window's collective."""
-WEIGHTING = ("none", "unweighted", "weighted", "divided ahead")
+WEIGHTING = ("none", "unweighted", "weighted", "divided ahead", "terms")
 """The name of each weighting code (``WEIGHTING[WEIGHTED] == "weighted"``): what the :class:`Ledger` reports."""
 
 
@@ -61,15 +61,19 @@ class Ledger:
         microbatches_global: M, the microbatches completed on all ranks.
         microbatches_per_rank: M split by rank.
         divisor: D, what the summed gradients were actually divided by: M without weights, the total
-            weight with weights, 1 when the loss terms were divided ahead (see ``terms``).
-        weighting: ``"unweighted"``, ``"weighted"`` or ``"divided ahead"`` (``"none"``: no microbatch yet).
+            weight with weights, 1 when the loss terms were divided ahead or each by its own count (see ``terms``).
+        weighting: ``"unweighted"``, ``"weighted"``, ``"divided ahead"`` or ``"terms"`` (each loss term by its own
+            count, ``terms=``; ``"none"``: no microbatch yet).
         weight_local: this rank's total weight (None without weights).
         weight_per_rank: each rank's total weight (None without weights or before finish).
         weight_global: the total weight over all ranks, the divisor of a weighted window.
         participation_local: parameter name -> microbatches in which it got a gradient, on this rank.
         participation_global: the same summed over ranks. Reported, never a divisor.
-        terms_local: loss term -> this rank's count, as given to ``divisors()`` (None if not used).
-        terms: loss term -> its global divisor, what the user divided that term by.
+        terms_local: loss term -> this rank's count, as given to ``divisors()``, or to ``mb.backward()`` and
+            ``count()`` with ``terms=`` (None if neither is used).
+        terms: loss term -> its global divisor, what the user divided that term by (``divisors()``), or what
+            ``finish()`` divided that term's summed gradient by (``terms=``: its count on all ranks; 0 for a term
+            that counted nothing and whose gradient was zero or absent, which contributed nothing).
         rank_local: parameters kept rank-local, not reduced (DDP's ``parameters_to_ignore``): each rank's own sum.
         rank_local_divisor: what they were divided by, this rank's own count (None before finish, or where this
             rank counted nothing: their gradient is then None).
@@ -146,6 +150,9 @@ class Ledger:
         if self.weighting == "divided ahead":
             terms = ", ".join(f"{k} by {_num(v)}" for k, v in (self.terms or {}).items())
             return [f"divisor D = 1: loss terms divided ahead ({terms})"]
+        if self.weighting == "terms":
+            terms = ", ".join(f"{k} by {_num(v)}" for k, v in (self.terms or {}).items())
+            return [f"each loss term divided by its count on all ranks: {terms}"]
         return [f"divisor M = {_num(self.divisor)}"]
 
 
@@ -153,4 +160,4 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-__all__ = ["DIVIDED", "NONE", "UNWEIGHTED", "WEIGHTED", "WEIGHTING", "Ledger", "Span"]
+__all__ = ["DIVIDED", "NONE", "TERMS", "UNWEIGHTED", "WEIGHTED", "WEIGHTING", "Ledger", "Span"]

@@ -116,6 +116,9 @@ def check_layout(state: State) -> None:
         values = f", values {fingerprint(t)}" if i in unnamed else ""
         entries.append((n, f"(shape={tuple(t.shape)}, dtype={dtype_name(t.dtype)}{values})"))
     what = "accumulated parameters"
+    if state.terms:  # the loss terms' sums are divided in this order on every rank
+        entries.append(("loss terms (terms=)", repr(state.terms)))
+        what += " and loss terms"
     if unnamed:
         what += " (bare tensors are matched by position and values: pass (name, tensor) pairs or the module)"
     check_same_on_all_ranks(entries, what, state.group)

@@ -98,6 +98,7 @@ class State:
     site: str = "?"
     superseded: str | None = None  # where the newer accumulator that closed this one was built (see .lifetime)
     span: Span = Span()
+    terms: tuple[str, ...] = ()  # the loss terms counted as the window runs (see .terms_after); () without
 
     @property
     def names(self) -> list[str]:

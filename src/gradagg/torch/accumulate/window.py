@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from gradagg.errors import GradaggError
-from gradagg.torch.accumulate.ledger import DIVIDED, NONE, UNWEIGHTED, WEIGHTED
+from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, UNWEIGHTED, WEIGHTED
 from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
     from gradagg.torch.accumulate.padding import Round
+    from gradagg.torch.accumulate.terms_after import TermSums
 
-OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET = range(11)
+OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET, TERM = range(12)
 STATUS_TEXT = {
     RAISED: "poisoned (a microbatch raised after gradients were accumulated)",
     OUTSIDE: "poisoned (a backward ran outside microbatch(): not counted in M)",
@@ -33,9 +34,23 @@ STATUS_TEXT = {
     PEER: "refused an earlier finish() of this window (another rank failed in it)",
     KEPT: "let FSDP sum microbatches into a bf16 or fp16 .grad (fsdp='every_microbatch')",
     HAND_SET: "had a .grad set by hand where no microbatch can count it (between microbatches, or on a shard)",
+    TERM: "could not count its loss terms (see the message of the rank named)",
 }
 
 Weight = float | torch.Tensor
+
+
+@dataclass
+class Into:
+    """Loss terms (see :mod:`.terms_after`): where the hook adds the running backward's gradients, ``buf`` None
+    being the window's own buffer."""
+
+    term: str
+    buf: torch.Tensor | None
+
+
+NO_TERM = Into("", None)
+"""``Window.into`` in a microbatch of an accumulator with loss terms, outside ``mb.backward()``: gradients refused."""
 
 
 def check_weight(weight: object) -> Weight:
@@ -166,6 +181,9 @@ class Window:
     agreed: Round | None = None  # the round agreed for the microbatch about to run here
     done: bool = False  # a round found no rank with a microbatch: the window's loop is over on every rank
     padded: int = 0  # padding microbatches run here
+    # loss terms counted as the window runs (see gradagg.torch.accumulate.terms_after); None without terms=
+    into: Into | None = None  # the buffer the hook adds into: None is flat, the one path without terms
+    term_sums: TermSums | None = None
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params
@@ -194,7 +212,7 @@ class Window:
         """This rank's own D, for the parameters kept rank-local (DDP's ``parameters_to_ignore``, see
         :mod:`.ddp`): its M, its total weight, or 1 for loss terms divided ahead (by their global totals); None where
         it counted nothing (no microbatch, or a total weight of 0)."""
-        if self.mode == DIVIDED:
+        if self.mode in (DIVIDED, TERMS):
             return 1.0
         total = weight_sum(weight_values(self.weights)) if self.mode == WEIGHTED else float(self.m)
         return total if total > 0 else None
@@ -208,4 +226,4 @@ class Window:
             self.weights.append(weight)
 
 
-__all__ = ["STATUS_TEXT", "Window", "check_weight", "weight_problem", "weight_sum", "weight_values"]
+__all__ = ["NO_TERM", "STATUS_TEXT", "Into", "Window", "check_weight", "weight_problem", "weight_sum", "weight_values"]

@@ -1,0 +1,166 @@
+"""Loss terms counted as the window runs (issue 23 item 2): ``terms=``, ``mb.backward(term, loss, count=)``,
+``acc.count(term, n)``; each term's gradient summed over the window on all ranks and divided by its own count.
+
+The truth is the float64 one-process backward of the window's loss (see :mod:`tests.torch.workers.terms_after`).
+Tolerance 1e-12: float64 sums of a few dozen terms of size ~1 (each rank's sum is divided before the ranks' sums
+are added, a different rounding order from the truth's); every wrong divisor below misses by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gradagg.errors import GradaggError, WindowError
+from gradagg.testing import run_local_world
+from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.modes import token_mean
+from tests.torch.workers import terms_after as tw
+
+WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}  # DDP's import
+TOL = 1e-12
+SEED, FUZZ = 20261203, 4
+
+
+@pytest.fixture(scope="module")
+def exact() -> list[dict[str, Any]]:
+    return run_local_world(tw.exact_world, 2, SEED, FUZZ, **WORLD)
+
+
+@pytest.mark.parametrize("split", ["uneven", "zero"])
+@pytest.mark.parametrize("kind", ["plain", "ddp", "pure"])
+def test_four_terms_exact(exact: list[dict[str, Any]], split: str, kind: str) -> None:
+    """policy (token-mean), kl (seq-mean-token-mean), nll (its count only after the last microbatch), value (1 per
+    microbatch): 3 and 1 microbatches per rank, or 0 and 4; every rank's gradient is the one-process truth's."""
+    for r in exact:
+        assert r[f"{split}/{kind}"] < TOL, (split, kind, r[f"{split}/{kind}"])
+
+
+def test_ledger_names_each_terms_count(exact: list[dict[str, Any]]) -> None:
+    """The ledger gives each term's global count (the divisor its sum was divided by) and this rank's: the value
+    term counts the window's 4 microbatches; rank 0 of the 'zero' split counted nothing."""
+    for r in exact:
+        terms, local, weighting, report = r["zero/ledger"]
+        assert weighting == "terms" and terms["value"] == 4.0, terms
+        assert "each loss term divided by its count on all ranks" in report and "value by 4" in report, report
+    assert exact[0]["zero/ledger"][1] == dict.fromkeys(tw.TERMS, 0.0)
+    assert exact[0]["uneven/ledger"][0] == exact[1]["uneven/ledger"][0]
+
+
+def test_fuzz_random_splits_keep_the_gradient(exact: list[dict[str, Any]]) -> None:
+    """Seeded random splits of the one window into ranks and microbatches (zero on a rank included): the
+    gradient stays the one-process one, while each microbatch, or each rank, divided by its own count misses."""
+    for split, err, wrong in exact[0]["fuzz"]:
+        assert err < TOL, (f"seed {SEED}", split, err)
+        if sum(len(m) for m in split) > 1:
+            assert wrong["per_microbatch"] > 1e-3, (f"seed {SEED}", split, wrong)
+        if sum(1 for m in split if m) > 1:
+            assert wrong["per_rank"] > 1e-3, (f"seed {SEED}", split, wrong)
+    assert all(err < TOL for _, err, _ in exact[1]["fuzz"])
+
+
+def test_three_ranks_a_term_on_one_rank_only() -> None:
+    """3 ranks, rank 1 runs no microbatch, only rank 2 runs the value term (D_value = its 3 microbatches)."""
+    results = run_local_world(tw.three_world, 3, **WORLD)
+    for r in results:
+        assert r["error"] < TOL, r
+        assert r["terms"]["value"] == 3.0, r["terms"]
+    assert results[1]["terms_local"] == dict.fromkeys(tw.TERMS, 0.0)
+
+
+@pytest.fixture(scope="module")
+def refused() -> list[dict[str, Any]]:
+    return run_local_world(tw.refusals_world, 2, **WORLD)
+
+
+@pytest.mark.parametrize(
+    ("case", "kind", "everywhere", "where_it_happened"),
+    [
+        ("plain_backward", "WindowError", "rank 0 could not count its loss terms", "outside mb.backward"),
+        ("forgotten_count", "WindowError", "'nll' counts 0 on all ranks, but its gradient is non-zero", ""),
+        ("names_differ", "CollectiveError", "loss terms (terms=)", ""),
+        ("weight", "WindowError", "invalid or inconsistent microbatch weight", "has weight=, but"),
+        ("divisors", "GradaggError", "divisors() on an accumulator built with terms=", ""),
+        ("unknown_term", "WindowError", "'polcy', not one of the accumulator's terms", ""),
+        ("negative_count", "WindowError", "rank 1 could not count its loss terms", "given count -2.0"),
+        ("nonfinite", "NonFiniteGradientError", "non-finite gradients on rank(s) [0]", ""),
+        ("hand_set", "WindowError", "rank 1 could not count its loss terms", "outside mb.backward"),
+    ],
+)
+def test_refused_on_every_rank(
+    refused: list[dict[str, Any]], case: str, kind: str, everywhere: str, where_it_happened: str
+) -> None:
+    """Each misuse raises the same kind of error on both ranks (the world's 5 s collective timeout would show a
+    rank left waiting as a CollectiveError naming a timeout), every message naming the rank or the term, and the
+    rank where it happened saying what it was."""
+    for r in refused:
+        got = r[case]
+        assert got is not None and got[0] == kind, (case, got)
+        assert everywhere in got[1], (case, got[1])
+    assert any(where_it_happened in r[case][1] for r in refused), [r[case] for r in refused]
+
+
+def test_a_term_counting_zero_with_a_zero_gradient_contributes_nothing(refused: list[dict[str, Any]]) -> None:
+    """No token survived the nll filter anywhere: its loss is 0 * ..., count 0 on every rank; allowed, recorded 0."""
+    for r in refused:
+        assert r["zero_count_zero_grad"] is None, r["zero_count_zero_grad"]
+        terms = r["zero_count_terms"]
+        assert terms["nll"] == 0.0 and terms["kl"] == 0.0 and terms["policy"] > 0, terms
+
+
+# --- one process ------------------------------------------------------------------------------------------------------
+
+
+def _acc(*terms: str) -> tuple[torch.Tensor, MicrobatchAccumulator]:
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    return w, MicrobatchAccumulator([("w", w)], terms=terms or None)
+
+
+def test_misuse_raises_at_once() -> None:
+    """Type and configuration errors raise where they happen."""
+    w, plain = _acc()
+    with plain.microbatch() as mb, pytest.raises(GradaggError, match="needs an accumulator built with terms="):
+        mb.backward("a", w.sum())
+    with pytest.raises(GradaggError, match="count"):
+        plain.count("a", 1)
+    plain.discard()
+    plain.close()
+    for bad in (("a", "a"), ("",), ()):
+        with pytest.raises(GradaggError, match="distinct non-empty names"):
+            _acc(*bad) if bad else MicrobatchAccumulator([torch.ones(1, requires_grad=True)], terms=[])
+    w, acc = _acc("a")
+    with acc.microbatch() as mb:
+        with pytest.raises(GradaggError, match="carries its count"):
+            mb.backward("a", token_mean(w[None, :], torch.ones(1, 2)), count=3)
+        with pytest.raises(GradaggError, match="real number"):
+            mb.backward("a", w.sum(), count="3")
+    with pytest.raises(WindowError, match="outside its microbatch"):
+        mb.backward("a", w.sum())
+    acc.close()
+
+
+def test_extra_buffers_are_one_per_term_beyond_the_first_and_freed() -> None:
+    """Three terms in a window hold two extra buffers of the flat buffer's size until finish(), none after:
+    the memory figure of the docstring, (terms - 1) x the flat buffer."""
+    w, acc = _acc("a", "b", "c")
+    with acc.microbatch() as mb:
+        for k, t in enumerate("abc"):
+            mb.backward(t, (k + 1) * w.sum(), count=k + 1)
+        sums = acc.state.window.term_sums
+        assert sums is not None and sorted(sums.bufs) == ["b", "c"] and sums.main == "a"
+        assert all(b.numel() == acc.state.layout().size for b in sums.bufs.values())
+    ledger = acc.finish()
+    assert w.grad is not None and torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # 1/1 + 2/2 + 3/3
+    assert ledger.terms == {"a": 1.0, "b": 2.0, "c": 3.0} and acc.state.window.term_sums is None
+    acc.close()
+
+
+def test_fsdp2_window_form_exact_and_shards_form_refused() -> None:
+    """fully_shard, fsdp='window': the flat buffer is the window's, so terms work as on plain modules (uneven split,
+    and a rank with none); the shards form reduces each backward itself and is refused, naming fsdp='window'."""
+    for r in run_local_world(tw.fsdp_world, 2, **WORLD):
+        for split in ("uneven", "zero"):
+            assert r[split][0] < TOL, (split, r[split])
+        assert r["shards"] is not None and r["shards"][0] == "GradaggError" and "fsdp='window'" in r["shards"][1]
