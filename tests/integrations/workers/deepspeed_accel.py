@@ -23,8 +23,12 @@ def accelerate_world(stage: int, loops: list[str]) -> dict[str, Any]:
     """Each loop: "exact" (accelerator.backward(loss_sum) in acc.microbatch(weight=tokens)), "line" (the same with
     the accumulator from the one line users call, gradagg.integrations.accelerate.exact) or "native"
     (Accelerate's documented recipe with the mean loss): its per-step relative errors and step count. One ZeRO
-    stage per world: Accelerate takes a DeepSpeed plugin at its first Accelerator only."""
+    stage per Accelerate state: Accelerate takes a DeepSpeed plugin at its first Accelerator only, so the state is
+    reset first (Accelerate's private ``_reset_state``, as :func:`deepspeed_hf._deepspeed_state` does; test-only)."""
+    from accelerate.state import AcceleratorState
+
     dz.launcher()
+    AcceleratorState._reset_state(reset_partial_state=True)
     return {loop: _case(stage, loop, first=k == 0) for k, loop in enumerate(loops)}
 
 

@@ -81,10 +81,40 @@ def deepspeed_world(cases: list[tuple[str, int, float, int]]) -> dict[str, Any]:
 
 
 def launcher() -> None:
-    """The variables a launcher sets, which DeepSpeed reads, for a world the harness already initialised."""
+    """The variables a launcher sets, which DeepSpeed reads, for a world the harness already initialised; and no
+    compiled shared-memory op (:func:`no_shared_memory_op`)."""
     rank, world = str(dist.get_rank()), str(dist.get_world_size())
     os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29999")
+    no_shared_memory_op()
+
+
+def no_shared_memory_op() -> None:
+    """Mark DeepSpeed's shared-memory op ``deepspeed_shm_comm`` as not buildable here, before its first
+    ``init_distributed``, so that DeepSpeed does not JIT-compile it.
+
+    Why: with a C++ compiler and ninja present (ninja comes with DeepSpeed), DeepSpeed's CPU accelerator compiles
+    that op at its first ``init_distributed``: minutes on 2 cores, on every machine and every venv whose torch
+    lives elsewhere (torch's extension cache keys on the include paths). The op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); ZeRO's reductions go through ``torch.distributed`` (gloo)
+    with or without it, so nothing gradagg does changes. There is no setting for it: ``deepspeed.ops.
+    __compatible_ops__`` (DeepSpeed 0.19.8's private probe of which ops can be built, read by
+    ``deepspeed.comm.torch.build_shm_op``) marked False is the path DeepSpeed takes where the op cannot build
+    (off Linux). Fallback: without that name DeepSpeed compiles as before (slower, the same results), and
+    ``test_deepspeed_compiled_nothing`` fails, naming this function.
+    """
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
+def shared_memory_op_built() -> bool:
+    """Whether DeepSpeed's communication backend of this process holds the compiled shared-memory op."""
+    from deepspeed import comm
+
+    return getattr(comm.comm.cdb, "shm_comm_op", None) is not None
 
 
 def _engine(stage: int, clip: float, steps: int = 1) -> Any:
