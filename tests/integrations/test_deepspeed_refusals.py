@@ -61,7 +61,8 @@ def test_accelerate_refuses_what_deepspeeds_accumulator_cannot_make_exact(engine
 
 def test_accelerate_still_refuses_megatron() -> None:
     with pytest.raises(GradaggError, match="MEGATRON_LM runs its own backward"):
-        integration.exact(SimpleNamespace(distributed_type="DistributedType.MEGATRON_LM"), _Engine(1), object())
+        engine: Any = _Engine(1)
+        integration.exact(SimpleNamespace(distributed_type="DistributedType.MEGATRON_LM"), engine, object())
 
 
 class _Config:

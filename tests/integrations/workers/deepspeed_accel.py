@@ -45,7 +45,7 @@ def _case(stage: int, loop: str, first: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = dz.Tiny()
     optimizer = torch.optim.SGD(model.parameters(), lr=dz.LR)
-    loader = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)
+    loader: Any = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)  # type: ignore[arg-type]
     engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     acc = {"exact": DeepSpeedAccumulator, "line": lambda e: integration.exact(accelerator, e, optimizer)}.get(
         loop, lambda e: None)(engine)
@@ -92,7 +92,7 @@ def _error(engine: Any, before: dict[str, torch.Tensor], seen: list[int]) -> flo
     model = dz.Tiny().double()
     model.load_state_dict(before)
     for i in (i for ids in every for i in ids):
-        dz.loss_sum(model, *dz.microbatch(0, 0, i, VALID[i]), False).backward()
+        dz.loss_sum(model, *dz.microbatch(0, 0, i, VALID[i]), False).backward()  # type: ignore[no-untyped-call]
     tokens = sum(VALID[i] for ids in every for i in ids)
     truth = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()])
     truth = truth / tokens

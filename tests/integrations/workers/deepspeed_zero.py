@@ -43,7 +43,8 @@ class Tiny(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, extra: bool = False) -> torch.Tensor:
         h = torch.tanh(self.hidden(self.emb(tokens)))
-        return self.head(h + self.extra(h) if extra else h)
+        logits: torch.Tensor = self.head(h + self.extra(h) if extra else h)
+        return logits
 
 
 def microbatch(window: int, rank: int, k: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +146,7 @@ def _truth(params: dict[str, torch.Tensor], plan: list[list[int]], window: int, 
     for rank, counts in enumerate(plan):
         for k, valid in enumerate(counts):
             tokens, labels = microbatch(window, rank, k, valid)
-            loss_sum(model, tokens, labels, extra and uses_extra(window, rank, k)).backward()
+            loss_sum(model, tokens, labels, extra and uses_extra(window, rank, k)).backward()  # type: ignore[no-untyped-call]
     # a parameter absent from every microbatch: DeepSpeed's flat ZeRO partitions hold zeros for it
     g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()]) / total
     norm = float(g.norm())
@@ -246,7 +247,8 @@ def _poisoned() -> dict[str, Any]:
     no microbatch on any rank."""
     from gradagg.integrations.deepspeed import exact
 
-    engine, rank, out = _engine(1, 0.0), dist.get_rank(), {}
+    engine, rank = _engine(1, 0.0), dist.get_rank()
+    out: dict[str, Any] = {}
     acc = exact(engine)
     tokens, labels = microbatch(0, rank, 0, 4)
     weights = {"outside": (4, 4), "raised": (4, 4), "mixed": (4, None), "zero": (0, 0)}
