@@ -56,7 +56,7 @@ TRAINER_STAGES = {s: [n for n in TRAINER if n != "defaults" or s == 2] for s in 
 def world() -> dict[str, Any]:
     trainer = {s: [TRAINER[n] for n in names] for s, names in TRAINER_STAGES.items()}
     results = run_local_world(deepspeed_all.world, 2, CASES, dict.fromkeys(STAGES, LOOPS), trainer,
-                              timeout_s=600.0, collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"},
+                              timeout_s=300.0, collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"},
                               preload=["torch._dynamo"])
     return {"raw": [r["raw"] for r in results], "shm_op_built": [r["shm_op_built"] for r in results],
             "accelerate": {s: [r["accelerate"][s] for r in results] for s in STAGES},
