@@ -2,11 +2,16 @@
 DeepSpeed plugin (integrations.accelerate.exact) and the Trainer's ``deepspeed=`` (integrations.transformers).
 
 Stand-ins for the engine and the Trainer's DeepSpeed config, so that this runs without DeepSpeed installed: the
-exact cases, on real engines, are tests/integrations/test_deepspeed.py and test_deepspeed_hf.py.
+exact cases, on real engines, are tests/integrations/test_deepspeed.py. In CI (``CI=true``) DeepSpeed must be
+installed, so that those run rather than skip: asserted here.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,7 +61,8 @@ def test_accelerate_refuses_what_deepspeeds_accumulator_cannot_make_exact(engine
 
 def test_accelerate_still_refuses_megatron() -> None:
     with pytest.raises(GradaggError, match="MEGATRON_LM runs its own backward"):
-        integration.exact(SimpleNamespace(distributed_type="DistributedType.MEGATRON_LM"), _Engine(1), object())
+        engine: Any = _Engine(1)
+        integration.exact(SimpleNamespace(distributed_type="DistributedType.MEGATRON_LM"), engine, object())
 
 
 class _Config:
@@ -87,3 +93,13 @@ def test_the_trainer_refuses_what_deepspeeds_accumulator_cannot_make_exact(
     assert len(problems) == len(fragments), problems
     for problem, fragment in zip(problems, fragments, strict=True):
         assert fragment in problem, problems
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="outside CI DeepSpeed is optional (its tests skip)")
+def test_ci_has_what_the_deepspeed_tests_need() -> None:
+    """In CI test_deepspeed.py must run, not skip: DeepSpeed at requirements-dev.txt's pin, transformers, Accelerate."""
+    for name in ("deepspeed", "transformers", "accelerate"):
+        assert importlib.util.find_spec(name) is not None, f"CI lacks {name}: install requirements-dev.txt"
+    pins = (Path(__file__).resolve().parents[2] / "requirements-dev.txt").read_text().splitlines()
+    pin = next(line.split("==")[1] for line in pins if line.startswith("deepspeed=="))
+    assert importlib.metadata.version("deepspeed") == pin, (importlib.metadata.version("deepspeed"), pin)

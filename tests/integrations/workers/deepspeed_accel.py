@@ -23,8 +23,12 @@ def accelerate_world(stage: int, loops: list[str]) -> dict[str, Any]:
     """Each loop: "exact" (accelerator.backward(loss_sum) in acc.microbatch(weight=tokens)), "line" (the same with
     the accumulator from the one line users call, gradagg.integrations.accelerate.exact) or "native"
     (Accelerate's documented recipe with the mean loss): its per-step relative errors and step count. One ZeRO
-    stage per world: Accelerate takes a DeepSpeed plugin at its first Accelerator only."""
+    stage per Accelerate state: Accelerate takes a DeepSpeed plugin at its first Accelerator only, so the state is
+    reset first (Accelerate's private ``_reset_state``, as :func:`deepspeed_hf._deepspeed_state` does; test-only)."""
+    from accelerate.state import AcceleratorState
+
     dz.launcher()
+    AcceleratorState._reset_state(reset_partial_state=True)
     return {loop: _case(stage, loop, first=k == 0) for k, loop in enumerate(loops)}
 
 
@@ -41,7 +45,7 @@ def _case(stage: int, loop: str, first: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = dz.Tiny()
     optimizer = torch.optim.SGD(model.parameters(), lr=dz.LR)
-    loader = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)
+    loader: Any = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)  # type: ignore[arg-type]
     engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     acc = {"exact": DeepSpeedAccumulator, "line": lambda e: integration.exact(accelerator, e, optimizer)}.get(
         loop, lambda e: None)(engine)
@@ -88,7 +92,7 @@ def _error(engine: Any, before: dict[str, torch.Tensor], seen: list[int]) -> flo
     model = dz.Tiny().double()
     model.load_state_dict(before)
     for i in (i for ids in every for i in ids):
-        dz.loss_sum(model, *dz.microbatch(0, 0, i, VALID[i]), False).backward()
+        dz.loss_sum(model, *dz.microbatch(0, 0, i, VALID[i]), False).backward()  # type: ignore[no-untyped-call]
     tokens = sum(VALID[i] for ids in every for i in ids)
     truth = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()])
     truth = truth / tokens

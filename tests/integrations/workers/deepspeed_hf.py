@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.integrations import tiny_llama as tl
+from tests.integrations.workers import deepspeed_zero as dz
 from tests.integrations.workers import hf
 
 LR = 1.0
@@ -28,6 +29,7 @@ def stage_world(stage: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]
     """Every case (``exact``, ``clip``, ``avg_tokens``, ``bad`` as in :func:`hf.bad_count`) under ZeRO ``stage``, one
     after the other on this rank."""
     hf.launcher_environment()
+    dz.no_shared_memory_op()
     return [_case(stage, case) for case in cases]
 
 

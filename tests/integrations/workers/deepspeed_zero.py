@@ -43,7 +43,8 @@ class Tiny(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, extra: bool = False) -> torch.Tensor:
         h = torch.tanh(self.hidden(self.emb(tokens)))
-        return self.head(h + self.extra(h) if extra else h)
+        logits: torch.Tensor = self.head(h + self.extra(h) if extra else h)
+        return logits
 
 
 def microbatch(window: int, rank: int, k: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +82,40 @@ def deepspeed_world(cases: list[tuple[str, int, float, int]]) -> dict[str, Any]:
 
 
 def launcher() -> None:
-    """The variables a launcher sets, which DeepSpeed reads, for a world the harness already initialised."""
+    """The variables a launcher sets, which DeepSpeed reads, for a world the harness already initialised; and no
+    compiled shared-memory op (:func:`no_shared_memory_op`)."""
     rank, world = str(dist.get_rank()), str(dist.get_world_size())
     os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29999")
+    no_shared_memory_op()
+
+
+def no_shared_memory_op() -> None:
+    """Mark DeepSpeed's shared-memory op ``deepspeed_shm_comm`` as not buildable here, before its first
+    ``init_distributed``, so that DeepSpeed does not JIT-compile it.
+
+    Why: with a C++ compiler and ninja present (ninja comes with DeepSpeed), DeepSpeed's CPU accelerator compiles
+    that op at its first ``init_distributed``: minutes on 2 cores, on every machine and every venv whose torch
+    lives elsewhere (torch's extension cache keys on the include paths). The op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); ZeRO's reductions go through ``torch.distributed`` (gloo)
+    with or without it, so nothing gradagg does changes. There is no setting for it: ``deepspeed.ops.
+    __compatible_ops__`` (DeepSpeed 0.19.8's private probe of which ops can be built, read by
+    ``deepspeed.comm.torch.build_shm_op``) marked False is the path DeepSpeed takes where the op cannot build
+    (off Linux). Fallback: without that name DeepSpeed compiles as before (slower, the same results), and
+    ``test_deepspeed_compiled_nothing`` fails, naming this function.
+    """
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
+def shared_memory_op_built() -> bool:
+    """Whether DeepSpeed's communication backend of this process holds the compiled shared-memory op."""
+    from deepspeed import comm
+
+    return getattr(comm.comm.cdb, "shm_comm_op", None) is not None
 
 
 def _engine(stage: int, clip: float, steps: int = 1) -> Any:
@@ -115,7 +146,7 @@ def _truth(params: dict[str, torch.Tensor], plan: list[list[int]], window: int, 
     for rank, counts in enumerate(plan):
         for k, valid in enumerate(counts):
             tokens, labels = microbatch(window, rank, k, valid)
-            loss_sum(model, tokens, labels, extra and uses_extra(window, rank, k)).backward()
+            loss_sum(model, tokens, labels, extra and uses_extra(window, rank, k)).backward()  # type: ignore[no-untyped-call]
     # a parameter absent from every microbatch: DeepSpeed's flat ZeRO partitions hold zeros for it
     g = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in model.parameters()]) / total
     norm = float(g.norm())
@@ -216,7 +247,8 @@ def _poisoned() -> dict[str, Any]:
     no microbatch on any rank."""
     from gradagg.integrations.deepspeed import exact
 
-    engine, rank, out = _engine(1, 0.0), dist.get_rank(), {}
+    engine, rank = _engine(1, 0.0), dist.get_rank()
+    out: dict[str, Any] = {}
     acc = exact(engine)
     tokens, labels = microbatch(0, rank, 0, 4)
     weights = {"outside": (4, 4), "raised": (4, 4), "mixed": (4, None), "zero": (0, 0)}
