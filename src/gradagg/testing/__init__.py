@@ -229,5 +229,5 @@ def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
-__all__ = ["RankOutcome", "also_preload", "launch_local_world", "launch_process", "launched_by_torchrun", "run_local_world",
-           "run_world"]
+__all__ = ["RankOutcome", "also_preload", "launch_local_world", "launch_process", "launched_by_torchrun",
+           "run_local_world", "run_world"]
