@@ -20,6 +20,15 @@ import pytest
 from gradagg import cli as gradagg_cli
 from gradagg.verify import MICROBATCH_MEAN_DOCUMENT, OWNER_SUM_DOCUMENT, Case
 
+try:
+    from gradagg.testing import also_preload
+except ImportError:  # no torch here: no local worlds either
+    pass
+else:
+    # Every local world of the session forks from one server: what most ranks import (FSDP2, which imports
+    # torch._dynamo at its first fully_shard; the pipeline schedules) is imported there once instead of per rank.
+    also_preload(["torch.distributed.fsdp", "torch._dynamo", "torch.distributed.pipelining"])
+
 
 class Run(NamedTuple):
     """One run of the command line: exit status, standard output and standard error (a tuple of the three)."""

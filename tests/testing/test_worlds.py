@@ -70,3 +70,10 @@ def test_a_process_a_rank_leaves_running_ends_with_the_world() -> None:
     pids = [o.value for o in launch_local_world(w.leaves_a_child, 2, timeout_s=60.0)]
     assert len(pids) == 2 and all(gone(pid) for pid in pids)
 
+
+
+def test_the_sessions_fork_server_preloads_what_conftest_asks() -> None:
+    """tests/conftest.py asks the server for FSDP2's modules (also_preload): a rank has them before its work,
+    and not a module nobody asked for."""
+    names = ["torch.distributed.fsdp", "torch._dynamo", "torch.distributed.pipelining", "tabulate"]
+    assert launch_process(w.preloaded, names).value == [True, True, True, False]

@@ -25,3 +25,10 @@ def has_a_process_group() -> bool:
     import torch.distributed as dist
 
     return dist.is_initialized()
+
+
+def preloaded(names: list[str]) -> list[bool]:
+    """Which of ``names`` this rank has without importing anything (forked from the server with them)."""
+    import sys
+
+    return [n in sys.modules for n in names]

@@ -50,7 +50,7 @@ from gradagg.errors import CollectiveError, last_line
 from gradagg.testing.guard import check_main_guard, reference
 from gradagg.testing.outcomes import RankOutcome, collect, outcome
 from gradagg.testing.rank import rank_main
-from gradagg.testing.server import context, ctrl_c_deferred, end_sessions
+from gradagg.testing.server import also_preload, context, ctrl_c_deferred, end_sessions
 
 
 def launch_local_world(
@@ -229,5 +229,5 @@ def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
 
 
-__all__ = ["RankOutcome", "launch_local_world", "launch_process", "launched_by_torchrun", "run_local_world",
-           "run_world"]
+__all__ = ["RankOutcome", "also_preload", "launch_local_world", "launch_process", "launched_by_torchrun",
+           "run_local_world", "run_world"]

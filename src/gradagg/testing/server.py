@@ -14,6 +14,16 @@ from typing import Any
 _PRELOAD = ["torch", "torch.distributed", "gradagg.torch"]
 
 
+def also_preload(modules: Sequence[str]) -> None:
+    """Have the fork server import ``modules`` too, if it starts after this call (once per parent process).
+
+    For a parent that starts many worlds whose ranks import the same heavy modules (a test session: FSDP2's
+    and a framework's), each rank then forks them ready instead of importing them again. A module that
+    cannot be imported is skipped by the server (``multiprocessing``'s own rule for preloads).
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def context(preload: Sequence[str]) -> Any:
     ctx = multiprocessing.get_context("forkserver")
     # Only effective before the server starts (first world of this process); later worlds reuse it.
