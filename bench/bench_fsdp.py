@@ -193,11 +193,11 @@ def form_world(form: str, size: Size) -> dict[str, Any]:
     return {"times": times, "peak": peak_rss_mib(), "base": base, "params": params, "padded": padded}
 
 
-def measure(size: Size, rounds: int) -> dict[str, dict[str, Any]]:
+def measure(size: Size, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, dict[str, Any]]:
     world = {"collective_timeout_s": 300.0, "timeout_s": 3600.0}
-    out: dict[str, dict[str, Any]] = {f: {"times": [], "peak": [], "own": [], "padded": []} for f in FORMS}
+    out: dict[str, dict[str, Any]] = {f: {"times": [], "peak": [], "own": [], "padded": []} for f in forms}
     for _ in range(rounds):
-        for form in FORMS:
+        for form in forms:
             ranks = run_local_world(form_world, RANKS, form, size, **world)
             o = out[form]
             o["times"] += ranks[0]["times"]  # after the closing barrier: the same step time on every rank
@@ -216,7 +216,7 @@ def table(out: dict[str, dict[str, Any]]) -> str:
         "| padding rounds per rank |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for form in FORMS:
+    for form in out:
         o = out[form]
         t, own, peak = statistics.median(o["times"]), max(o["own"]), max(o["peak"])
         pads = " ".join(str(p) for p in o["padded"]) if "gradagg shards" in form else "-"
@@ -231,10 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, one round, one timed step")
     parser.add_argument("--rounds", type=int, default=2, help="worlds per form (each: 1 warm-up and 3 timed steps)")
+    parser.add_argument("--forms", type=lambda v: tuple(int(k) for k in v.split(",")), default=None,
+                        help="only these forms, by their 0-based place in FORMS, e.g. 4 (the baseline always runs)")
     args = parser.parse_args(argv)
+    forms = FORMS if args.forms is None else tuple(f for k, f in enumerate(FORMS) if k in args.forms or f == BASELINE)
     size, rounds = (QUICK, 1) if args.quick else (Size(), args.rounds)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
-    out = measure(size, rounds)
+    out = measure(size, rounds, forms)
     params = out[BASELINE]["params"]
     print(table(out))
     print(
