@@ -51,8 +51,10 @@ check: $(DEV_STAMP)
 	@echo "== 2 local gloo ranks, uneven microbatches and tokens, against the one-process full batch"
 	GLOO_SOCKET_IFNAME=lo $(PY) examples/token_weighted.py
 
+# Two pytest workers (pytest-xdist), each taking whole files: a file's shared worlds (module-scoped fixtures) stay
+# in one worker, and a serial run leaves the second core idle between worlds.
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The documentation site, into site/: warnings (a broken link or API reference) fail the build.
 docs: $(DOCS_STAMP)
