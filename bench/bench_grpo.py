@@ -53,6 +53,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(0, HERE)
 
+from bench_fsdp import malloc_returns_memory  # noqa: E402
 from bench_hf import Turns, model_config, step_timer  # noqa: E402
 
 from gradagg.integrations.transformers import exact  # noqa: E402
@@ -166,17 +167,6 @@ def peak_rss_mib() -> float:
     would report its parent's peak)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
-
-
-def malloc_returns_memory() -> None:
-    """glibc: every allocation of 64 KiB or more its own mmap, returned when freed (as bench/bench_fsdp.py)."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # mallopt parameters, malloc.h
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 64 * 1024)
-    libc.mallopt(m_arena_max, 1)
 
 
 def loop_batches(quick: bool, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -30,30 +30,17 @@ from typing import Any
 TERM_NAMES = ("policy", "kl", "nll", "value")
 
 
-def _mallopt() -> None:
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # mallopt parameters, malloc.h
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 64 * 1024)
-    libc.mallopt(m_arena_max, 1)
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def worker(terms: int, width: int, windows: int) -> dict[str, Any]:
     """One configuration: ``terms`` = 0 is the baseline (one loss, one backward per microbatch)."""
-    _mallopt()
+    from bench_fsdp import malloc_returns_memory, rss_mib  # bench/, beside this script (sys.path[0])
+
+    malloc_returns_memory()
     import torch
 
     from gradagg.torch import MicrobatchAccumulator
 
     torch.set_num_threads(1)
-    before = _rss_mib()
+    before = rss_mib()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
     names = TERM_NAMES[:terms]

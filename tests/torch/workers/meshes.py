@@ -27,9 +27,9 @@ from torch import nn
 from gradagg.errors import GradaggError
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.accumulate.meshes import data_group
-from gradagg.torch.modes import Mode, aggregate, plan_window
+from gradagg.torch.modes import Mode, plan_window
 from tests.torch.workers import modes as wm
-from tests.torch.workers.modes_cp import Context, SumOverGroup, _grads, _microbatches, truth
+from tests.torch.workers.modes_cp import Context, SumOverGroup, _grads, _microbatches, run_window, truth
 
 TP_COLS = ((0, 2), (2, wm.D))  # tp rank -> its columns of w: uneven, as a hand split may be
 
@@ -110,17 +110,7 @@ def _window(seed: int) -> list[wm.Sequence]:
 
 
 def _run(model: nn.Module, acc: MicrobatchAccumulator, mine: list[dict[str, Any]], mode: Mode, plan: Any) -> Any:
-    cp = getattr(model, "cp_group", None)
-    for k, mb in enumerate(mine):
-        lay = mb["layout"]
-        loss = (model(mb["x"], mb["index"], mb["lengths"], cp) - mb["y"]) ** 2
-        if plan is not None:
-            part = aggregate(mode, loss, lay.mask, plan=plan, microbatch=k)
-        else:
-            part = aggregate(mode, loss, lay.mask, cu_seqlens=lay.cu_seqlens)
-        with acc.microbatch(weight=part.weight):
-            part.loss.backward()
-    return acc.finish()
+    return run_window(model, acc, mine, mode, plan, getattr(model, "cp_group", None))
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:

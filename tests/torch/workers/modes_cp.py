@@ -102,6 +102,22 @@ def _microbatches(seqs: list[wm.Sequence], counts: list[int], dp: int, cp: int) 
     return out
 
 
+def run_window(model: nn.Module, acc: MicrobatchAccumulator, mine: list[dict[str, Any]], mode: Mode, plan: Any,
+               cp: Any) -> Any:
+    """This rank's microbatches, each loss aggregated by ``mode`` (by ``plan``, or as the window runs) and
+    back-propagated in its microbatch (the model summing its forward over the ``cp`` group); the ledger."""
+    for k, mb in enumerate(mine):
+        lay = mb["layout"]
+        loss = (model(mb["x"], mb["index"], mb["lengths"], cp) - mb["y"]) ** 2
+        if plan is not None:
+            part = aggregate(mode, loss, lay.mask, plan=plan, microbatch=k)
+        else:
+            part = aggregate(mode, loss, lay.mask, cu_seqlens=lay.cu_seqlens)
+        with acc.microbatch(weight=part.weight):
+            part.loss.backward()
+    return acc.finish()
+
+
 def cp_world(seed: int, counts: list[int]) -> dict[str, Any]:
     """Every mode, planned over the world (a sequence's pieces on both cp ranks share its id); token-mean also
     as you go (token weights, nothing counted ahead). Per case: (relative error, divisor, and for the token means
@@ -118,16 +134,7 @@ def cp_world(seed: int, counts: list[int]) -> dict[str, Any]:
         model = Context()
         acc = MicrobatchAccumulator(model)  # the whole world: dp x cp
         plan = plan_window(mode, [mb["layout"] for mb in mine], norm=wm._norm(mode)) if planned else None
-        for k, mb in enumerate(mine):
-            lay = mb["layout"]
-            loss = (model(mb["x"], mb["index"], mb["lengths"], cp_groups[dp]) - mb["y"]) ** 2
-            if plan is not None:
-                part = aggregate(mode, loss, lay.mask, plan=plan, microbatch=k)
-            else:
-                part = aggregate(mode, loss, lay.mask, cu_seqlens=lay.cu_seqlens)
-            with acc.microbatch(weight=part.weight):
-                part.loss.backward()
-        ledger = acc.finish()
+        ledger = run_window(model, acc, mine, mode, plan, cp_groups[dp])
         if plan is not None:
             plan.check(ledger)
         want, got = truth(mode, seqs), _grads(model)
