@@ -42,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
 from datetime import UTC, datetime
 from typing import Any
@@ -54,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(0, HERE)
 
 from bench_fsdp import malloc_returns_memory  # noqa: E402
-from bench_hf import Turns, model_config, step_timer  # noqa: E402
+from bench_hf import lockstep, model_config  # noqa: E402
 
 from gradagg.integrations.transformers import exact  # noqa: E402
 
@@ -126,32 +125,13 @@ def round_of(order: tuple[str, str], steps: int, quick: bool) -> dict[str, list[
     """Both trainers in lockstep, ``order[0]``'s step first; each form's step times after its first, and under
     ``"same"`` in how many of its steps the two forms had seen the same number of tokens (TRL's ``num_tokens``, the
     prompts' and completions' tokens so far: the same work), of how many."""
-    turns = Turns(order[0])
-    errors: list[BaseException] = []
     with tempfile.TemporaryDirectory() as out:
         trainers = {form: build(form, steps, quick, os.path.join(out, form)) for form in order}
-        timers = {}
-        for me, other in (order, order[::-1]):
-            timers[me] = step_timer(me, other, turns)
-            trainers[me].add_callback(seeder())
-            trainers[me].add_callback(timers[me])
-
-        def run(form: str) -> None:
-            try:
-                trainers[form].train()
-            except BaseException as exc:  # reported in the main thread
-                errors.append(exc)
-                turns.finish(form, "")
-
-        threads = [threading.Thread(target=run, args=(form,)) for form in order]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for form in order:
+            trainers[form].add_callback(seeder())  # before the step timer (lockstep adds it last), as it was
+        timers = lockstep(trainers, order)
         seen = {form: [log["num_tokens"] for log in trainers[form].state.log_history if "num_tokens" in log]
                 for form in order}
-    if errors:
-        raise errors[0]
     same = sum(a == b for a, b in zip(seen["plain"], seen["exact"], strict=True))
     return {**{form: timers[form].times[1:] for form in order}, "same": [same, len(seen["plain"])]}
 

@@ -159,31 +159,38 @@ def build(form: str, steps: int, quick: bool, out: str) -> Any:
     return trainer
 
 
-def round_of(order: tuple[str, str], steps: int, quick: bool) -> dict[str, list[float]]:
-    """Both trainers in lockstep, ``order[0]``'s step first; each form's step times after its first."""
+def lockstep(trainers: dict[str, Any], order: tuple[str, str]) -> dict[str, Any]:
+    """Both trainers' ``train()`` in two threads taking strict turns, ``order[0]``'s step first; their step timers
+    (a step timer added to each trainer last). A trainer's error is raised here, after both threads ended."""
     turns = Turns(order[0])
     errors: list[BaseException] = []
-    with tempfile.TemporaryDirectory() as out:
-        trainers = {form: build(form, steps, quick, os.path.join(out, form)) for form in order}
-        timers = {}
-        for me, other in (order, order[::-1]):
-            timers[me] = step_timer(me, other, turns)
-            trainers[me].add_callback(timers[me])
+    timers = {}
+    for me, other in (order, order[::-1]):
+        timers[me] = step_timer(me, other, turns)
+        trainers[me].add_callback(timers[me])
 
-        def run(form: str) -> None:
-            try:
-                trainers[form].train()
-            except BaseException as exc:  # reported in the main thread
-                errors.append(exc)
-                turns.finish(form, "")
+    def run(form: str) -> None:
+        try:
+            trainers[form].train()
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+            turns.finish(form, "")
 
-        threads = [threading.Thread(target=run, args=(form,)) for form in order]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    threads = [threading.Thread(target=run, args=(form,)) for form in order]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     if errors:
         raise errors[0]
+    return timers
+
+
+def round_of(order: tuple[str, str], steps: int, quick: bool) -> dict[str, list[float]]:
+    """Both trainers in lockstep, ``order[0]``'s step first; each form's step times after its first."""
+    with tempfile.TemporaryDirectory() as out:
+        trainers = {form: build(form, steps, quick, os.path.join(out, form)) for form in order}
+        timers = lockstep(trainers, order)
     return {form: timers[form].times[1:] for form in order}
 
 

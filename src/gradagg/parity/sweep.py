@@ -30,7 +30,7 @@ from typing import Any
 from gradagg.errors import GradaggError, ScriptError
 from gradagg.parity.check import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from gradagg.parity.layouts import MAX_RANKS, check_layouts, format_layout
-from gradagg.parity.types import Layout, TruthResult
+from gradagg.parity.types import Layout, TruthResult, Verdict
 
 DEFAULT_WORLDS = (1, 2, 3)
 DEFAULT_PER_RANK = (1, 2, 4)
@@ -49,7 +49,7 @@ class Cell:
 
 
 @dataclass(frozen=True)
-class SweepReport:
+class SweepReport(Verdict):
     """The outcome of :func:`sweep_parity`.
 
     Attributes:
@@ -67,16 +67,6 @@ class SweepReport:
     rtol: float
     observations: list[dict[str, Any]]
     elapsed_s: float
-
-    @property
-    def passed(self) -> bool:
-        """Whether every cell is exact."""
-        return all(o["passed"] for o in self.observations)
-
-    @property
-    def json(self) -> dict[str, Any]:
-        """``{"observations": [...], "passed": bool}``, as ``gradagg parity`` writes it."""
-        return {"observations": self.observations, "passed": self.passed}
 
 
 def uneven_layout(world: int, per_rank: int) -> Layout:

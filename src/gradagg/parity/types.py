@@ -145,8 +145,24 @@ class TruthResult:
     computes_in: str = ""
 
 
+class Verdict:
+    """What a report of observations says: passed when every observation passed, and its JSON form."""
+
+    observations: list[dict[str, Any]]
+
+    @property
+    def passed(self) -> bool:
+        """Whether every observation (a layout, a cell) passed."""
+        return all(o["passed"] for o in self.observations)
+
+    @property
+    def json(self) -> dict[str, Any]:
+        """``{"observations": [...], "passed": bool}``: what ``gradagg parity`` prints."""
+        return {"observations": self.observations, "passed": self.passed}
+
+
 @dataclass(frozen=True)
-class ParityReport:
+class ParityReport(Verdict):
     """The outcome of :func:`check_parity`.
 
     Attributes:
@@ -165,13 +181,3 @@ class ParityReport:
     rtol: float
     observations: list[dict[str, Any]]
     elapsed_s: float
-
-    @property
-    def passed(self) -> bool:
-        """Whether every layout passed."""
-        return all(o["passed"] for o in self.observations)
-
-    @property
-    def json(self) -> dict[str, Any]:
-        """``{"observations": [...], "passed": bool}``: what ``gradagg parity`` prints."""
-        return {"observations": self.observations, "passed": self.passed}

@@ -223,6 +223,15 @@ def _apply_exact(trainer: Any, case: Case) -> None:
         exact(trainer)
 
 
+def refusals(refused: str | None) -> list[Any] | None:
+    """Every rank's refusal (None where a rank was not refused), gathered on every rank; None if no rank refused.
+
+    A refusal must come on every rank, none hanging: the gather is what shows it."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, refused)
+    return every if any(r is not None for r in every) else None
+
+
 def run_case(case: Case, checkpoint: str | None = None) -> dict[str, Any]:
     """Train one case; return (on rank 0) each step's error against the truth, the logs, what wrapped the model,
     what a second exact() said after train(), and (every rank's) refusal where the case was refused."""
@@ -240,9 +249,7 @@ def run_case(case: Case, checkpoint: str | None = None) -> dict[str, Any]:
         except Exception as exc:  # a refusal: every rank must raise it (gathered below), none may hang
             refused = _message(exc)
         if refused is not None:
-            every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, refused)
-            return {"refused": every} if dist.get_rank() == 0 else {}
+            return {"refused": refusals(refused)} if dist.get_rank() == 0 else {}
         try:
             exact(trainer)
         except Exception as exc:

@@ -159,9 +159,8 @@ def run_case(case: Case) -> dict[str, Any]:
             trainer.train()
         except Exception as exc:  # a refusal: every rank must raise it (gathered below), none may hang
             refused = f"{type(exc).__name__}: {exc}"
-        every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, refused)
-        if any(r is not None for r in every):
+        every = hf.refusals(refused)
+        if every is not None:
             return {"refused": every} if dist.get_rank() == 0 else {}
     if dist.get_rank() != 0:
         return {}
