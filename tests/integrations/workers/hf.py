@@ -249,7 +249,8 @@ def run_case(case: Case, checkpoint: str | None = None) -> dict[str, Any]:
         except Exception as exc:  # a refusal: every rank must raise it (gathered below), none may hang
             refused = _message(exc)
         if refused is not None:
-            return {"refused": refusals(refused)} if dist.get_rank() == 0 else {}
+            every = refusals(refused)  # on every rank: a collective
+            return {"refused": every} if dist.get_rank() == 0 else {}
         try:
             exact(trainer)
         except Exception as exc:
