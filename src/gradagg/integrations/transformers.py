@@ -146,7 +146,7 @@ class _Exact:
         """The accumulator around ``model`` as the Trainer prepared it (built at the first step, anew if it changes)."""
         if self.acc is None or self.model is not model:
             from gradagg.torch import MicrobatchAccumulator
-            from gradagg.torch.accumulate.ddp import skip_buffer_sync
+            from gradagg.torch.accumulate.wrappers.ddp import skip_buffer_sync
 
             if self.acc is not None:
                 self.acc.close()

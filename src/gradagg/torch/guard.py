@@ -120,7 +120,7 @@ def entry_of(state: State) -> Entry:
 def index_of(state: State) -> dict[int, int]:
     """id(tensor) -> parameter index, for the accumulated parameters and (FSDP2) their unsharded tensors."""
     out = {id(t): i for i, t in enumerate(state.tensors)}
-    out.update((id(t), i) for i, t in state.unsharded.items())
+    out.update((id(t), i) for i, t in state.wrapper.held().items())
     return out
 
 

@@ -129,7 +129,7 @@ def set_on_shard(mode: str) -> Any:
         with acc.microbatch():
             model(torch.ones(1, 4)).sum().backward()
             if dist.get_rank() == 1:
-                target = shards[0] if mode == "window" else acc.state.unsharded[0]
+                target = shards[0] if mode == "window" else acc.state.wrapper.held()[0]
                 target.grad = torch.zeros_like(target)
         acc.finish()
 

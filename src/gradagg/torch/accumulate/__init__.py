@@ -29,16 +29,19 @@ private attributes); each imports only those listed before it:
 
 * :mod:`.ledger` (the report and the weighting codes), :mod:`.window` (one window's counters and buffers),
   :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
-  :mod:`.ddp` and :mod:`.fsdp` (the wrappers' own synchronisation held off), :mod:`.lifetime` (one live
-  accumulator per parameter, released when dropped, the same identity on every rank), :mod:`.meshes` (the
-  group read from a device mesh: its data dims, dp x cp, not tp);
-* :mod:`.state` (the one object), :mod:`.shards` (FSDP2's shards-form sums), :mod:`.hooks` (gradients
-  into the buffer), :mod:`.stale` (gradients present as a window opens), :mod:`.opening` (a window opens;
-  the hooks installed), :mod:`.padding` (the shards form's rounds: uneven counts, a short rank pads),
-  :mod:`.terms` (divisors counted ahead), :mod:`.terms_after` (terms counted as the window runs, each divided
-  in ``finish()``), :mod:`.finish` (a window closes), :mod:`.attaching` (finishing
-  from an optimizer's step);
-* :mod:`.accumulator`: the public class, a thin shell over the state.
+  :mod:`.lifetime` (one live accumulator per parameter, released when dropped, the same identity on every rank),
+  :mod:`.meshes` (the group read from a device mesh: its data dims, dp x cp, not tp), :mod:`.seam` (the
+  :class:`~.seam.Wrapper` interface: what differs between plain modules, DDP and FSDP2);
+* :mod:`.state` (the one object), :mod:`.hooks` (gradients into the buffer), :mod:`.stale` (gradients present as a
+  window opens), :mod:`.opening` (a window opens; the hooks installed), :mod:`.terms` (divisors counted ahead),
+  :mod:`.terms_after` (terms counted as the window runs, each divided in ``finish()``), :mod:`.finish` (a window
+  closes), :mod:`.attaching` (finishing from an optimizer's step);
+* :mod:`.wrappers`: one module per wrapper behind the seam (:mod:`~.wrappers.plain`, :mod:`~.wrappers.ddp`,
+  :mod:`~.wrappers.fsdp_window`, :mod:`~.wrappers.fsdp_shards` with its rounds and padding), and the chooser;
+* :mod:`.accumulator`: the public class, a thin shell over the state, which chooses the wrapper.
+
+The core modules call the wrapper through the seam and never ask which one it is; no wrapper module is imported
+below :mod:`.accumulator`.
 
 Its slow, obviously right twin is :class:`gradagg.torch.pure.PureAccumulator`; the tests compare them.
 """

@@ -15,14 +15,16 @@ import torch
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.options import NonFinite, check_nonfinite
-from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, padding, terms, terms_after
+from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, terms, terms_after
 from gradagg.torch.accumulate import finish as finishing
-from gradagg.torch.accumulate.fsdp import Mode
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
 from gradagg.torch.accumulate.params import ParamSource
-from gradagg.torch.accumulate.state import Pad, State, build
+from gradagg.torch.accumulate.state import State, build
 from gradagg.torch.accumulate.terms_after import Microbatch
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
+from gradagg.torch.accumulate.wrappers import chooser
+from gradagg.torch.accumulate.wrappers.fsdp import Mode
+from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.collectives import Group
 
 if TYPE_CHECKING:
@@ -50,8 +52,8 @@ class MicrobatchAccumulator:
     Args:
         module_or_params: a module (its ``named_parameters()``); a ``DistributedDataParallel`` module (kept
             in ``no_sync()`` while attached, its buffers broadcast from rank 0 once per window if DDP syncs them,
-            see :mod:`gradagg.torch.accumulate.ddp`); a module with ``fully_shard``
-            applied (FSDP2 or HSDP, see :mod:`gradagg.torch.accumulate.fsdp`); tensors; or ``(name, tensor)`` pairs.
+            see :mod:`gradagg.torch.accumulate.wrappers.ddp`); a module with ``fully_shard`` applied (FSDP2
+            or HSDP, see :mod:`gradagg.torch.accumulate.wrappers.fsdp`); tensors; or ``(name, tensor)`` pairs.
             Parameters without ``requires_grad`` are ignored (one unfrozen later is an error); a tensor
             given twice (tied weights) is one parameter.
         group: a process group, or None for the default one; with no process group at all the accumulator
@@ -67,9 +69,9 @@ class MicrobatchAccumulator:
             ``"raise"``: :meth:`finish` raises :class:`NonFiniteGradientError` on every rank, naming the
             ranks whose gradients were non-finite.
         fsdp: under FSDP2, ``"shards"`` (default; ``"every_microbatch"``, its former name, too): sharded
-            gradients only, FSDP reducing each microbatch, uneven counts padded (see :mod:`.padding`); or
+            gradients only, FSDP reducing each microbatch, uneven counts padded (see :mod:`.wrappers.padding`); or
             ``"window"``: unsharded parameters and gradients held over the window, no padding. See
-            :mod:`gradagg.torch.accumulate.fsdp`.
+            :mod:`gradagg.torch.accumulate.wrappers.fsdp`.
         pad: the shards form's padding microbatch, for a rank that ran out while others still run one:
             ``fn()`` (a forward on a small batch, returning its loss; its gradients are dropped), ``"replay"``
             (default: the module's last forward inputs run again), or None (uneven counts then raise
@@ -113,7 +115,8 @@ class MicrobatchAccumulator:
         pad: Pad = "replay",
         terms: Iterable[str] | None = None,
     ) -> None:
-        self._state = build(module_or_params, group, check_nonfinite(nonfinite), fsdp, bucket_mb, pad, mesh)
+        choose = chooser(fsdp, pad)  # plain, DDP or FSDP2's form: see gradagg.torch.accumulate.wrappers
+        self._state = build(module_or_params, group, check_nonfinite(nonfinite), bucket_mb, mesh, choose)
         try:
             self._state.terms = terms_after.check_names(terms, self._state)
         except BaseException:
@@ -123,8 +126,6 @@ class MicrobatchAccumulator:
         self._release = weakref.finalize(self, lifetime.release, self._state)
         self._release.atexit = False
         opening.install(self._state)
-        opening.open_before_forward(self._state)
-        padding.watch_forward(self._state)
 
     # --- the window ----------------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class MicrobatchAccumulator:
         if not st.window.open:
             opening.open_window(st)
         w = st.window
-        padding.enter(st)  # the shards form: the round, agreed with the other ranks (a rank that ran out pads)
+        early = st.wrapper.before_microbatch(st, last, lookahead)  # FSDP2 shards: the round agreed with the ranks
         hooks.refuse_hand_set(st, f"before microbatch {w.m}")
         if w.last_done:
             w.fail(LATE, f"microbatch {w.m} runs after the microbatch marked last")
@@ -176,17 +177,15 @@ class MicrobatchAccumulator:
             terms_after.enter(st, value)
         else:
             w.note_weighting(value)
-        if st.fsdp is not None:
-            st.fsdp.set_all_reduce(padding.all_reduce_now(st, last, lookahead))
         # with terms, no bucket leaves early: a term's divisor is known only when every count is in
-        w.in_microbatch, w.seen, w.in_last = True, set(), padding.sends_early(st, last) and not st.terms
+        w.in_microbatch, w.seen, w.in_last = True, set(), early and not st.terms
         try:
             yield Microbatch(st, w.m)
             hooks.take_hand_set(st)
         except BaseException as exc:
             if w.seen:
                 w.fail(RAISED, f"microbatch {w.m} raised {type(exc).__name__}: {exc} after gradients were accumulated")
-            told = padding.explained(st, exc)  # a collective broken by a padding rank's failure: named
+            told = st.wrapper.explained(st, exc)  # FSDP2 shards: a collective broken by a padding rank, named
             if told is not exc:
                 raise told from exc
             raise
@@ -195,7 +194,7 @@ class MicrobatchAccumulator:
             w.last_done = w.last_done or last
         finally:
             w.in_microbatch = w.in_last = False
-            w.agreed = None
+            st.wrapper.after_microbatch(st)
 
     def microbatches(self, items: Iterable[T]) -> Iterator[T]:
         """Yield ``items`` with one item of look-ahead, so that the last one's microbatch is marked ``last``.
@@ -210,9 +209,9 @@ class MicrobatchAccumulator:
         >>> list(acc.microbatches("ab"))
         ['a', 'b']
         """
-        if self._open_state().rounds():  # FSDP2's shards form: one agreed round per item, then padding
-            return padding.rounds(self._state, items)
-        return self._lookahead(items)
+        st = self._open_state()
+        own = st.wrapper.microbatches(st, items)  # FSDP2's shards form: one agreed round per item, then padding
+        return own if own is not None else self._lookahead(items)
 
     def _lookahead(self, items: Iterable[T]) -> Iterator[T]:
         it = iter(items)

@@ -10,23 +10,18 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, padding, shards, terms_after
-from gradagg.torch.accumulate.flat import Counts, all_finite, real_dtype
+from gradagg.torch.accumulate import hooks, opening, terms_after
+from gradagg.torch.accumulate.flat import Counts, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import (
-    KEPT,
     OK,
     PEER,
     STATUS_TEXT,
-    WEIGHT,
     Window,
-    weight_problem,
     weight_sum,
-    weight_values,
 )
-from gradagg.torch.collectives import get_rank, get_world_size
-from gradagg.torch.placements import dtype_name, local_tensor
+from gradagg.torch.placements import dtype_name
 
 
 def finish(state: State) -> Ledger:
@@ -34,8 +29,7 @@ def finish(state: State) -> Ledger:
     _prepare(state)
     counts = _exchange(state)
     _refuse_other_accumulators(state, counts)
-    if state.ddp is not None:  # every rank exchanged, whatever its count: the next window starts with rank 0's
-        state.ddp.sync_buffers(state.window)
+    state.wrapper.after_exchange(state)  # every rank is here, whatever its count (DDP: the buffers' broadcast)
     _raise_if_any_failed(state, counts)
     m = sum(counts.per_rank)
     if m == 0:
@@ -43,20 +37,14 @@ def finish(state: State) -> Ledger:
         raise WindowError("finish() with no microbatch run on any rank (M = 0): there is no mean to take")
     mode = max(counts.modes)
     divisor = _divisor(state, mode, m, counts)
-    w = state.window
-    if divisor != 1 and w.flat is not None:
-        state.layout().divide(w.flat, w.out, divisor)
     _install(state, counts, divisor)
-    if state.ddp is not None and state.ddp.local:  # DDP's parameters_to_ignore: this rank's sum over its own count
-        state.ddp.divide_local(w.local_divisor())
-    if state.fsdp is not None:
-        state.fsdp.reshard()
-    ledger = local_ledger(state, counts, divisor, mode)
+    state.wrapper.close(state)
+    ledger = local_ledger(state, counts, divisor, mode, state.window.total)
     _close_window(state, ledger)
-    if counts.nonfinite:
-        names = [n for n, t in zip(state.names, state.tensors) if t.grad is not None and not bool(all_finite(t.grad))]
+    if counts.nonfinite:  # gradients are floating or complex: isfinite is defined on them
+        names = [n for n, t in zip(state.names, state.tensors) if t.grad is not None and not t.grad.isfinite().all()]
         raise NonFiniteGradientError(
-            f"rank {get_rank(state.group)}: non-finite gradients on rank(s) {counts.nonfinite}, in {names} after the "
+            f"rank {state.rank}: non-finite gradients on rank(s) {counts.nonfinite}, in {names} after the "
             "reduction; every rank raises, with the same reduced (non-finite) gradients in .grad: zero them and skip "
             "this step"
         )
@@ -65,32 +53,23 @@ def finish(state: State) -> Ledger:
 
 def discard(state: State) -> None:
     """Drop the window: every gradient back to None, counters to zero (see ``MicrobatchAccumulator.discard``)."""
-    for t in [*state.tensors, *state.unsharded.values()]:
+    for t in [*state.tensors, *state.wrapper.held().values()]:
         t.grad = None
-    if state.fsdp is not None and state.window.open:
-        state.fsdp.reshard()
-    if state.ddp is not None:
-        state.ddp.drop_local()
-    state.padding = False
-    state.new_window()
+    state.wrapper.discard(state)
+    _new_window(state)
 
 
 def _prepare(state: State) -> None:
     """Open the window of a rank that ran no microbatch; record what only now can be checked."""
     w = state.window
-    if not w.open:
-        opening.open_window(state, empty=True)  # a stale gradient fails the window there
-        padding.finish_rounds(state)  # a rank with none pads while the others still run theirs
-    else:
-        padding.finish_rounds(state)
+    ran = w.open
+    if ran:  # before any padding round, whose backward would drop a .grad set by hand
         hooks.refuse_hand_set(state, "after the window's last microbatch")
         opening.check_params(state)
-        kept = shards.kept_by_fsdp(state)
-        if kept is not None:
-            w.fail(KEPT, kept)
-    problem = weight_problem(w.weights, weight_values(w.weights))
-    if problem is not None:
-        w.fail(WEIGHT, problem)
+    else:
+        opening.open_window(state, empty=True)  # a stale gradient fails the window there
+    state.wrapper.prepare(state, ran)  # FSDP2 shards: a rank with none pads while the others still run theirs
+    w.settle_weights()  # a weight that cannot count fails the window here
     if state.terms:  # every rank: each term counted over the ranks, then divided into the window's buffer
         terms_after.settle(state)
 
@@ -100,15 +79,7 @@ def _exchange(state: State) -> Counts:
     w, layout, sender = state.window, state.layout(), state.window.sender
     if sender is None or w.flat is None:
         raise RuntimeError("internal error: an open window without its buffer")
-    if sender.finite is not None:
-        for i in _external(state):
-            g = state.tensors[i].grad
-            if g is not None:
-                sender.finite &= all_finite(local_tensor(g))
-        for total in w.shard_sums.values():
-            sender.finite &= all_finite(total)
-    weight = weight_sum(weight_values(w.weights))  # a weight that cannot count already set w.status
-    sender.flush(layout.local_counters(w.participation, w.m, weight, w.status, w.mode, state.identity))
+    sender.flush(layout.local_counters(w.participation, w.m, w.weight_total(), w.status, w.mode, state.identity))
     sender.wait()
     return layout.read_counters(w.flat, w.out)
 
@@ -127,7 +98,7 @@ def _refuse_other_accumulators(state: State, counts: Counts) -> None:
     w.open = True
     names = "; ".join(f"rank {r}: accumulator #{s} (layout {f:08x})" for r, (s, f) in enumerate(counts.identities))
     raise WindowError(
-        f"rank {get_rank(state.group)}: finish() of {state.label()} met another accumulator on another rank ({names}): "
+        f"rank {state.rank}: finish() of {state.label()} met another accumulator on another rank ({names}): "
         "the ranks finished their accumulators in another order, so the sums mixed them; nothing was installed",
         remedy="discard() every accumulator of the window on every rank, then build and finish them in the same "
         "order on every rank",
@@ -163,7 +134,7 @@ def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
 
 
 def _raise_if_any_failed(state: State, counts: Counts) -> None:
-    rank = get_rank(state.group)
+    rank = state.rank
     bad = {r: STATUS_TEXT.get(s, f"failed (status {s})") for r, s in enumerate(counts.status) if s != OK}
     used = {mo for mo in counts.modes if mo != NONE}
     if len(used) > 1:
@@ -181,32 +152,30 @@ def _raise_if_any_failed(state: State, counts: Counts) -> None:
 
 
 def _install(state: State, counts: Counts, divisor: float) -> None:
-    """Hand out the reduced gradients: views of the buffer, DTensor shards, or FSDP's shards summed and divided."""
+    """Divide once; hand out the reduced gradients: views of the buffer, the wrapper's for sharded and external
+    parameters."""
     layout, w = state.layout(), state.window
-    external = set(_external(state))
+    if divisor != 1 and w.flat is not None:
+        layout.divide(w.flat, w.out, divisor)
     for i, t in enumerate(state.tensors):
-        if i in state.unsharded:
-            state.unsharded[i].grad = None
         if counts.participation[i] == 0:
             t.grad = None  # absent from every microbatch of every rank
-        elif i in external:
-            t.grad = shards.shard_mean(state, i, t, divisor)
-        elif layout.buckets[layout.slots[i].bucket].kind == "reduce_scatter" and w.out is not None and state.fsdp:
-            t.grad = state.fsdp.sharded_grad(t, layout.local_view(w.out, i))
+        elif i in state.sharded or i in state.external:
+            t.grad = state.wrapper.hand_out(state, i, t, divisor)
         elif w.flat is not None:
             view = layout.full_view(w.flat, i)
             same = layout.dtype == real_dtype(t.dtype) and t.device == layout.device
             t.grad = view if same else view.to(device=t.device, dtype=t.dtype)
 
 
-def _external(state: State) -> list[int]:
-    return [i for i, s in enumerate(state.layout().slots) if s.bucket < 0]
+def _new_window(state: State) -> None:
+    """Forget the window: counters to zero, buffers dropped (a second finish() cannot divide twice)."""
+    state.window = Window(len(state.tensors))
 
 
 def _close_window(state: State, ledger: Ledger) -> None:
     only_shards = all(b.kind != "all_reduce" for b in state.layout().buckets)
-    state.padded_last = state.window.padded
-    state.new_window()  # counters to zero: a second finish() cannot divide the same sums twice
+    _new_window(state)  # counters to zero: a second finish() cannot divide the same sums twice
     state.last = ledger
     state.finished += 1
     if only_shards:
@@ -214,17 +183,19 @@ def _close_window(state: State, ledger: Ledger) -> None:
 
 
 def local_ledger(
-    state: State, counts: Counts | None = None, divisor: float | None = None, mode: int | None = None
+    state: State, counts: Counts | None = None, divisor: float | None = None, mode: int | None = None,
+    total: float | None = None,
 ) -> Ledger:
-    """The window's ledger: local counts, and the global ones once ``counts`` came back."""
+    """The window's ledger: local counts, and the global ones once ``counts`` came back (``total``: this rank's
+    total weight, when settled)."""
     w: Window = state.window
     mode = w.mode if mode is None else mode
     weighted = mode == WEIGHTED
-    mine = weight_sum(weight_values(w.weights)) if w.mode == WEIGHTED else None
+    mine = None if w.mode != WEIGHTED else total if total is not None else w.weight_total()
     names = state.names
     return Ledger(
-        rank=get_rank(state.group),
-        world_size=get_world_size(state.group),
+        rank=state.rank,
+        world_size=state.world,
         span=state.span,
         microbatches_local=w.m,
         microbatches_global=None if counts is None else sum(counts.per_rank),

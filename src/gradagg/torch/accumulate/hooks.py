@@ -3,7 +3,8 @@
 The heart of the accumulator: after autograd accumulated a microbatch's gradient into ``param.grad``, a
 post-accumulate-grad hook (public ``Tensor.register_post_accumulate_grad_hook``) adds it into the buffer and
 sets ``param.grad = None``, so nothing outside the accumulator (``zero_grad()``, a clip) can change a
-counted gradient during the window, and under FSDP2 the unsharded gradient never reaches FSDP. A ``.grad``
+counted gradient during the window, and under FSDP2 the unsharded gradient never reaches FSDP. The wrapper
+(:mod:`.seam`) says which tensors to hook; these are the hooks' work. A ``.grad``
 the user sets by hand inside a microbatch is taken the same way when the microbatch ends
 (:func:`take_hand_set`): it counts in that microbatch, as it would in a plain loop.
 """
@@ -79,28 +80,20 @@ def add_term(state: State, i: int, grad: torch.Tensor, into: Into) -> None:
 
 
 def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
-    """The tensors whose ``.grad`` the accumulator takes (plain and unsharded ones) that hold one now."""
+    """The tensors whose ``.grad`` the accumulator takes (the parameters not held as shards, and the tensors the
+    wrapper holds for them: FSDP2's unsharded ones) that hold one now."""
     out = [(i, t) for i, t in enumerate(state.tensors) if i not in state.sharded and t.grad is not None]
-    return out + [(i, t) for i, t in state.unsharded.items() if state.takes(i) and t.grad is not None]
+    return out + [(i, t) for i, t in state.wrapper.held().items() if state.takes(i) and t.grad is not None]
 
 
 def take_hand_set(state: State) -> None:
     """At a microbatch's end: a ``.grad`` still present was set by hand in it; count it there, like a backward's.
 
-    A sharded parameter's ``.grad`` (window form) cannot be added to a full gradient, nor can one set on an
-    unsharded parameter after FSDP reduced it (every_microbatch form): the window is refused.
+    Where the wrapper cannot add it to the window (a shard's ``.grad`` under FSDP2), the wrapper refuses it.
     """
     for i, t in hooked_grads(state):
         on_grad(state, i, t)
-    if state.fsdp is None:
-        return
-    for i in sorted(state.sharded):
-        if state.fsdp.mode == "window" and state.tensors[i].grad is not None:
-            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set on its shard in a window")
-        unsharded = state.unsharded.get(i)
-        if not state.takes(i) and unsharded is not None and unsharded.grad is not None:
-            # every_microbatch: FSDP's backward already reduced and cleared it; a later one would absorb this
-            state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set after FSDP reduced it")
+    state.wrapper.refuse_hand_set(state)
 
 
 def refuse_hand_set(state: State, where: str) -> None:

@@ -112,10 +112,7 @@ def release(state: State) -> None:
     for h in state.extra_hooks:
         h.remove()
     state.hooked, state.extra_hooks = {}, []
-    if state.ddp is not None:
-        state.ddp.release()
-    if state.fsdp is not None:
-        state.fsdp.restore()
+    state.wrapper.release()
 
 
 __all__ = ["group_ranks", "identify", "refuse_shared", "release", "user_site"]

@@ -1,4 +1,4 @@
-"""Opening a window: check the parameters (against the other ranks, once), unshard under FSDP2, allocate."""
+"""Opening a window: check the parameters (against the other ranks, once), let the wrapper open, allocate."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import torch
 
 from gradagg.errors import GradaggError
 from gradagg.torch import guard
-from gradagg.torch.accumulate import hooks, shards, stale
-from gradagg.torch.accumulate.buckets import Groups, Sender
+from gradagg.torch.accumulate import stale
+from gradagg.torch.accumulate.buckets import Sender
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import CHANGED, STALE
-from gradagg.torch.collectives import check_same_on_all_ranks, get_world_size
+from gradagg.torch.collectives import check_same_on_all_ranks
 from gradagg.torch.placements import dtype_name
 
 
 def open_window(state: State, *, empty: bool = False) -> None:
-    """Open a window: check the parameters, unshard under FSDP2, allocate the buffer, reset the counters.
+    """Open a window: check the parameters, let the wrapper open (FSDP2 unshards), allocate the buffer.
 
     Gradients present as it opens are a zeroing's leftovers if exactly zero (set to None), else a stale
     contribution: the window is refused in ``finish()``, on every rank (see :mod:`.stale`).
@@ -29,60 +29,26 @@ def open_window(state: State, *, empty: bool = False) -> None:
         GradaggError: unnamed parameters that cannot be told apart across ranks (every rank).
     """
     w = state.window
+    check_params(state)
+    check_layout(state)
     held = stale.take_zeroed(state)
     if held is not None:
         w.fail(STALE, stale.why(held, empty))
     w.open = True
-    check_layout(state)
-    check_params(state)
-    if state.fsdp is not None:
-        for name, t in state.fsdp.unshard().items():
-            i = state.names.index(name)
-            state.unsharded[i] = t
-            hooks.hook(state, t, i, taken)
+    state.wrapper.open(state)
+    groups = state.wrapper.groups(state.group)
     layout = state.layout()
     w.flat = layout.fresh(state.pools[0])
     w.out = layout.output(state.pools[1])
-    groups = Groups(state.group)
-    if state.fsdp is not None:
-        groups = Groups(state.group, state.fsdp.shard_group, state.fsdp.replicate_group)
     w.sender = Sender(layout, w.flat, w.out, groups, state.nonfinite == "raise", w.written)
 
 
 def install(state: State) -> None:
-    """Hook every parameter: plain ones take their gradient into the buffer (:func:`taken`: not a padding
-    microbatch's); under the shards form, FSDP hands its reduced shards to the sharded ones; register the
-    accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients); compare the
-    parameters with the other ranks' (:func:`check_layout`)."""
+    """Register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients);
+    compare the parameters with the other ranks' (:func:`check_layout`); let the wrapper hook the parameters."""
     state.extra_hooks.append(guard.register(state))
-    for i, t in enumerate(state.tensors):
-        if i not in state.sharded:
-            hooks.hook(state, t, i, taken)
-        elif state.every_microbatch():
-            hooks.hook(state, t, i, shards.on_shard)  # FSDP calls it with each microbatch's reduced shard
     check_layout(state)
-
-
-def taken(state: State, i: int, param: torch.Tensor) -> None:
-    """:func:`~.hooks.on_grad`, except in a padding microbatch, whose gradients are dropped (counted nowhere;
-    FSDP then reduce-scatters zeros for an unsharded parameter, whatever the padding's loss was)."""
-    if state.padding:
-        param.grad = None
-        return
-    hooks.on_grad(state, i, param)
-
-
-def open_before_forward(state: State) -> None:
-    """FSDP2 window form: a forward before the first microbatch() would all-gather in forward order; open first."""
-    module = state.params.module
-    if state.fsdp is None or state.fsdp.mode != "window" or module is None:
-        return
-
-    def open_first(_module: object, _args: object) -> None:
-        if torch.is_grad_enabled() and not state.window.open and not state.closed:
-            open_window(state)
-
-    state.extra_hooks.append(module.register_forward_pre_hook(open_first, prepend=True))
+    state.wrapper.install(state)
 
 
 def check_params(state: State) -> None:
@@ -109,7 +75,7 @@ def check_layout(state: State) -> None:
     """
     if state.layout_checked:
         return
-    distributed = get_world_size(state.group) > 1
+    distributed = state.world > 1
     unnamed = state.params.unnamed if distributed else set()
     entries: list[tuple[object, str]] = []
     for i, (n, t) in enumerate(zip(state.names, state.tensors)):
@@ -165,4 +131,4 @@ def fingerprint(t: torch.Tensor) -> str:
     return f"{h:016x}"
 
 
-__all__ = ["check_layout", "check_params", "fingerprint", "install", "open_before_forward", "open_window", "taken"]
+__all__ = ["check_layout", "check_params", "fingerprint", "install", "open_window"]

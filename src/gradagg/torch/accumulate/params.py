@@ -26,7 +26,7 @@ class Params:
         frozen: parameters seen without ``requires_grad`` (a tensor source), to notice one unfrozen later.
         unnamed: indices of the parameters given as bare tensors (named ``param[k]`` by their position).
         local: trainable parameters in DDP's ``parameters_to_ignore``: DDP keeps them rank-local, so they are not
-            accumulated (see :mod:`.ddp`).
+            accumulated (see :mod:`.wrappers.ddp`).
     """
 
     names: list[str]

@@ -19,9 +19,9 @@ from gradagg.torch.placements import local_tensor
 
 
 def take_zeroed(state: State) -> str | None:
-    """:func:`clear_zeroed` over the accumulator's parameters, the unsharded ones included."""
+    """:func:`clear_zeroed` over the accumulator's parameters and the tensors the wrapper holds for them."""
     held = [(state.names[i], t) for i, t in enumerate(state.tensors)]
-    held += [(state.names[i], t) for i, t in state.unsharded.items()]
+    held += [(state.names[i], t) for i, t in state.wrapper.held().items()]
     return clear_zeroed(held)
 
 

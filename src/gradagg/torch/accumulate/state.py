@@ -1,29 +1,28 @@
 """The accumulator's state, one object: what it accumulates, where it sends, its hooks, and the current window.
 
 :class:`State` is what the public :class:`~gradagg.torch.MicrobatchAccumulator` holds and passes, explicitly,
-to the functions of the other modules of this package (:mod:`.hooks`, :mod:`.opening`, :mod:`.finish`,
-:mod:`.shards`): each reads and writes the state through its public fields, and none reaches into another
-module's objects. The fixed part (parameters, group, FSDP and DDP sides, the layout) is set once by
-:func:`build`; :attr:`State.window` is replaced by a fresh :class:`~.window.Window` after every window.
+to the functions of the other modules of this package (:mod:`.hooks`, :mod:`.opening`, :mod:`.finish`):
+each reads and writes the state through its public fields, and none reaches into another module's objects.
+What differs between plain modules, DDP and FSDP2 is the :attr:`State.wrapper`'s (see :mod:`.seam`); the state
+holds only what every wrapper shares. The fixed part (parameters, group, wrapper, the layout) is set once by
+:func:`build`; :attr:`State.window` is replaced by a fresh :class:`~.window.Window` after every window (:mod:`.finish`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradagg.errors import GradaggError
 from gradagg.options import NonFinite
 from gradagg.torch.accumulate import lifetime
-from gradagg.torch.accumulate.ddp import DdpHold, ddp_group
 from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
-from gradagg.torch.accumulate.fsdp import FsdpParams, Mode, check_mode
 from gradagg.torch.accumulate.ledger import Ledger, Span
-from gradagg.torch.accumulate.meshes import check_fsdp_mesh, span_of
+from gradagg.torch.accumulate.meshes import span_of
 from gradagg.torch.accumulate.params import Params, ParamSource
+from gradagg.torch.accumulate.seam import Wrapper
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
 from gradagg.torch.collectives import (
@@ -35,8 +34,10 @@ from gradagg.torch.collectives import (
     get_world_size,
 )
 
+if TYPE_CHECKING:
+    from gradagg.torch.accumulate.wrappers import Choose
+
 _BYTES_PER_MB = 2**20
-Pad = Callable[[], torch.Tensor] | Literal["replay"] | None  # see gradagg.torch.accumulate.padding
 
 
 @dataclass
@@ -48,23 +49,21 @@ class State:
         group: the process group (None: the default one, or no communication without one); under DDP, DDP's.
         nonfinite: ``"propagate"`` or ``"raise"``.
         bucket_mb: the size of a gradient bucket.
-        fsdp: the FSDP2 side, if any parameter is a DTensor.
-        ddp: the DDP side, if the source was a DDP module.
+        wrapper: what differs for the module's wrapper (plain, DDP, FSDP2's two forms): see :mod:`.seam`.
         window: the current window's counters and buffers.
+        world, rank, device: the group's size, this process's rank in it (1 and 0 with no process group), and the
+            device its collectives run on.
         pools: reusable buffers: the window's input buffer; the reduce-scatter output.
         hooked: id(tensor) -> (tensor, hook handle), for every tensor with a gradient hook.
-        extra_hooks: other handles to remove on close (the FSDP forward pre-hook, optimizer hooks).
-        unsharded: FSDP2, while a window is open: parameter index -> its unsharded tensor.
+        extra_hooks: other handles to remove on close (forward pre-hooks, optimizer hooks).
         layout_checked: whether the ranks' parameter lists were compared (once per accumulator).
         closed: the hooks are gone; every call refuses.
         last: the ledger of the last finished window.
         next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
-        sharded: indices of the FSDP2 (DTensor) parameters (set on construction).
-        external: those FSDP2 reduces itself (``fsdp="shards"``), whose buffer slot stays empty.
-        pad: the padding batch of the shards form (see :mod:`.padding`).
-        padding: a padding microbatch is running (its gradients are dropped before FSDP or the buffer sees them).
-        kept: the root module's last forward inputs ``(args, kwargs)``, replayed by ``pad="replay"``.
-        padded_last: how many padding microbatches this rank ran in the last finished window.
+        sharded: the wrapper's parameters held as shards (read in every hook call: a set, computed once).
+        external: those the wrapper reduces itself, whose buffer slot stays empty.
+        padded_last: how many padding microbatches this rank ran in the last finished window (FSDP2's shards
+            form pads a rank that ran out; 0 elsewhere).
         identity: ``(serial, fingerprint)``, the same on every rank for the same accumulator (see :func:`identify`);
             it travels with the window's counters so that ranks finishing different accumulators all refuse.
         site: where the user's code built it (``file:line``), to name it in messages.
@@ -76,23 +75,20 @@ class State:
     group: Group
     nonfinite: NonFinite
     bucket_mb: float
-    fsdp: FsdpParams | None
-    ddp: DdpHold | None
+    wrapper: Wrapper
     window: Window
+    world: int = 1
+    rank: int = 0
+    device: torch.device = torch.device("cpu")
     pools: tuple[ReusableBuffer, ReusableBuffer] = field(default_factory=lambda: (ReusableBuffer(), ReusableBuffer()))
     hooked: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)
     extra_hooks: list[Any] = field(default_factory=list)
-    unsharded: dict[int, torch.Tensor] = field(default_factory=dict)
     layout_checked: bool = False
     closed: bool = False
     last: Ledger | None = None
     next_last: bool | None = None
     flat_layout: FlatLayout | None = None  # built on first use by layout()
-    pad: Pad = "replay"
-    padding: bool = False
-    kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     padded_last: int = 0
-    pad_failure: str | None = None  # a padding microbatch failed here; told at the next round (see .padding)
     identity: tuple[int, int] = (0, 0)
     finished: int = 0
     site: str = "?"
@@ -109,29 +105,16 @@ class State:
         return self.params.tensors
 
     def __post_init__(self) -> None:
-        # read in every hook call: computed once (a DTensor check per parameter otherwise)
-        self.sharded: frozenset[int] = frozenset(self.params.sharded) if self.fsdp is not None else frozenset()
-        self.external: frozenset[int] = self.sharded if self.every_microbatch() else frozenset()
+        self.sharded: frozenset[int] = self.wrapper.sharded
+        self.external: frozenset[int] = self.wrapper.external
 
     def label(self) -> str:
         """The accumulator as messages name it: ``accumulator #serial (built at site, over N parameters)``."""
         return f"accumulator #{self.identity[0]} (built at {self.site}, over {len(self.tensors)} parameters)"
 
-    def every_microbatch(self) -> bool:
-        """Whether FSDP2 reduces each microbatch itself (``fsdp="shards"``, formerly ``"every_microbatch"``)."""
-        return self.fsdp is not None and self.fsdp.mode == "shards"
-
-    def rounds(self) -> bool:
-        """Whether the ranks agree on every microbatch and short ranks pad (the shards form, in a group)."""
-        return self.every_microbatch() and get_world_size(self.group) > 1
-
     def takes(self, i: int) -> bool:
-        """Whether parameter ``i``'s gradient goes into the accumulator's buffer (not reduced by FSDP itself)."""
+        """Whether parameter ``i``'s gradient goes into the accumulator's buffer (not reduced by the wrapper)."""
         return i not in self.external
-
-    def new_window(self) -> None:
-        """Forget the window: counters to zero, buffers dropped (a second finish() cannot divide twice)."""
-        self.window = Window(len(self.tensors))
 
     def layout(self) -> FlatLayout:
         """The flat buffer's layout: buckets and slots, the same on every rank (built once)."""
@@ -144,19 +127,20 @@ def build(
     source: ParamSource,
     group: Group,
     nonfinite: NonFinite,
-    fsdp: Mode,
     bucket_mb: float,
-    pad: Pad = "replay",
-    mesh: Any = None,
+    mesh: Any,
+    choose: Choose,
 ) -> State:
     """The state of a new accumulator (no hook yet: see :func:`gradagg.torch.accumulate.opening.install`).
 
+    Args:
+        choose: picks the parameters' wrapper (:func:`gradagg.torch.accumulate.wrappers.chooser`).
+
     Raises:
         GradaggError: ``WORLD_SIZE`` > 1 in the environment but no process group; a ``group`` this process is not
-            in; a DDP module whose ``process_group`` holds other ranks than ``group``; ``bucket_mb`` not a positive
-            number; an invalid ``fsdp`` or ``pad``; DTensors without their module; a parameter on the meta device;
-            an FSDP2 mesh over other ranks than the group; the errors of :func:`~.meshes.span_of`,
-            :class:`~.ddp.DdpHold` and :class:`~.fsdp.FsdpParams`.
+            in; ``bucket_mb`` not a positive number; a parameter on the meta device; a parameter another live
+            accumulator holds; the errors of :func:`~.meshes.span_of` and of the wrapper chosen (a DDP module over
+            other ranks than ``group``, FSDP2 layouts, ...).
     """
     check_launcher_world("MicrobatchAccumulator")
     group, span = span_of(mesh, group)  # the data dims' group, when a mesh is given
@@ -164,42 +148,21 @@ def build(
     if not isinstance(bucket_mb, int | float) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise GradaggError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
     params = Params.collect(source)
-    if params.ddp is not None:
-        group = ddp_group(params.ddp, group)  # DDP's own group, or a refusal of another one
-        span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
+    choice = choose(params, group, span)  # refusals only: nothing of the model is changed yet
     meta = next((n for n, t in zip(params.names, params.tensors) if t.is_meta), None)
     if meta is not None:
         raise GradaggError(
             f"parameter {meta!r} is on the meta device: it holds no values, so no gradient of it can be summed; "
             "materialise the model first (model.to_empty(device=...) and initialise it), then build the accumulator"
         )
-    if not (pad is None or pad == "replay" or callable(pad)):
-        raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
     site = lifetime.user_site()
     lifetime.refuse_shared(params.names, params.tensors, site)
-    fsdp_side, span = _fsdp_side(params, fsdp, group, span)
-    # last: it changes the DDP module (no_sync, its buffer sync), which no later refusal may leave changed
-    ddp = DdpHold(params.ddp, group, params.local) if params.ddp is not None else None
-    state = State(params, group, nonfinite, float(bucket_mb), fsdp_side, ddp, Window(len(params.tensors)))
-    state.pad, state.span = pad, span
-    state.site, state.identity = site, lifetime.identify(params.names, params.tensors, lifetime.group_ranks(group))
+    # last: the wrapper changes the model (FSDP2's settings, DDP's no_sync), which no later refusal may leave changed
+    state = State(params, choice.group, nonfinite, float(bucket_mb), choice.make(), Window(len(params.tensors)))
+    state.world, state.rank, state.device = get_world_size(state.group), get_rank(state.group), device_for(state.group)
+    state.span, state.site = choice.span, site
+    state.identity = lifetime.identify(params.names, params.tensors, lifetime.group_ranks(state.group))
     return state
-
-
-def _fsdp_side(params: Params, mode: Mode, group: Group, span: Span) -> tuple[FsdpParams | None, Span]:
-    sharded = params.sharded
-    if not sharded:
-        check_mode(mode)
-        return None, span
-    if params.module is None:
-        raise GradaggError("DTensor parameters: pass the module fully_shard was applied to, not its parameters")
-    names = [params.names[i] for i in sharded]
-    fsdp_mesh = params.tensors[sharded[0]].device_mesh  # type: ignore[attr-defined]
-    if get_world_size(group) > 1:
-        check_fsdp_mesh(fsdp_mesh, span)  # before FsdpParams configures the modules
-    side = FsdpParams(params.module, names, [params.tensors[i] for i in sharded], mode, get_world_size(group))
-    dims = fsdp_mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(fsdp_mesh.ndim))  # an unnamed mesh
-    return side, replace(span, reduced_over=tuple(dims))
 
 
 def _build_layout(state: State) -> FlatLayout:
@@ -211,17 +174,9 @@ def _build_layout(state: State) -> FlatLayout:
             kind = "external"  # FSDP reduces it itself; only its participation is counted here
         specs.append(ParamSpec(tuple(t.shape), t.dtype, kind))  # type: ignore[arg-type]
     elem = torch.empty(0, dtype=buffer_dtype(specs)).element_size()
-    fsdp = state.fsdp
-    ways, shard_rank = (1, 0) if fsdp is None else (fsdp.ways, fsdp.shard_rank)
-    return FlatLayout(
-        specs,
-        get_world_size(state.group),
-        get_rank(state.group),
-        device_for(state.group),
-        int(state.bucket_mb * _BYTES_PER_MB / elem),
-        ways,
-        shard_rank,
-    )
+    w = state.wrapper
+    cap = int(state.bucket_mb * _BYTES_PER_MB / elem)
+    return FlatLayout(specs, state.world, state.rank, state.device, cap, w.ways, w.shard_rank)
 
 
 __all__ = ["State", "build"]

@@ -49,7 +49,7 @@ from gradagg.torch.accumulate.window import (
     weight_sum,
     weight_values,
 )
-from gradagg.torch.collectives import all_reduce_sum, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import all_reduce_sum, device_for
 from gradagg.torch.modes.local import Part
 
 
@@ -76,16 +76,9 @@ def check_names(terms: Iterable[str] | None, state: State) -> tuple[str, ...]:
     bad = [n for n in names if not isinstance(n, str) or not n]
     if not names or bad or len(set(names)) != len(names):
         raise GradaggError(f"terms= takes distinct non-empty names, e.g. ('policy', 'kl'), got {terms!r}")
-    if state.every_microbatch():
-        raise GradaggError(
-            "terms= under fully_shard needs fsdp='window': the shards form reduces each backward itself, "
-            "so the ranks would have to run the same term backwards in every microbatch"
-        )
-    if state.params.local:
-        raise GradaggError(
-            f"terms= with DDP's parameters_to_ignore ({[n for n, _ in state.params.local]}): their gradients are "
-            "not taken by the accumulator, so no term could be told apart in them"
-        )
+    refused = state.wrapper.refuses_terms()
+    if refused is not None:
+        raise GradaggError(refused)
     return names
 
 
@@ -154,10 +147,10 @@ def settle(state: State) -> None:
     """``finish()``, before the exchange: count every term on all ranks, then divide each term's sum into the window's
     buffer. Every decision is taken from the reduced counts, the same on every rank."""
     sums, w = _sums(state), state.window
-    names, world = state.terms, get_world_size(state.group)
+    names, world = state.terms, state.world
     local = [_local_count(state, n, weight_values(sums.counts[n])) for n in names]
     vec = torch.zeros(2 * len(names) * world, dtype=torch.float64)
-    rank = get_rank(state.group)
+    rank = state.rank
     for k, n in enumerate(names):  # every rank writes its own slots: each rank's value arrives exactly
         vec[k * world + rank] = local[k]
         vec[(len(names) + k) * world + rank] = sums.backwards[n]

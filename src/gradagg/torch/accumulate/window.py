@@ -19,7 +19,6 @@ from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
-    from gradagg.torch.accumulate.padding import Round
     from gradagg.torch.accumulate.terms_after import TermSums
 
 OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET, TERM = range(12)
@@ -155,7 +154,8 @@ def weight_sum(values: list[float]) -> float:
 
 @dataclass
 class Window:
-    """The counters of the current window on this rank."""
+    """The counters of the current window on this rank, the same for every wrapper (a wrapper's own part of a
+    window is the wrapper's: see :mod:`.seam`)."""
 
     params: int
     open: bool = False
@@ -174,16 +174,12 @@ class Window:
     terms: dict[str, float] | None = None
     # the window's buffers, set when it opens (see gradagg.torch.accumulate.opening)
     flat: torch.Tensor | None = None  # the input buffer: every gradient and the counters
-    out: torch.Tensor | None = None  # where reduce-scatter segments land (FSDP2)
+    out: torch.Tensor | None = None  # where reduce-scatter segments land (sharded parameters)
     sender: Sender | None = None
-    shard_sums: dict[int, torch.Tensor] = field(default_factory=dict)  # shards form: FSDP's shards, summed
-    # the shards form's rounds (see gradagg.torch.accumulate.padding)
-    agreed: Round | None = None  # the round agreed for the microbatch about to run here
-    done: bool = False  # a round found no rank with a microbatch: the window's loop is over on every rank
-    padded: int = 0  # padding microbatches run here
     # loss terms counted as the window runs (see gradagg.torch.accumulate.terms_after); None without terms=
     into: Into | None = None  # the buffer the hook adds into: None is flat, the one path without terms
     term_sums: TermSums | None = None
+    total: float | None = None  # the weights' sum, once settle_weights() read them
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params
@@ -208,13 +204,25 @@ class Window:
         elif self.mode == NONE:
             self.mode = mode
 
+    def settle_weights(self) -> None:
+        """Read the weights once (one device read), fail the window for one that cannot count, keep their sum."""
+        values = weight_values(self.weights)
+        problem = weight_problem(self.weights, values)
+        if problem is not None:
+            self.fail(WEIGHT, problem)
+        self.total = weight_sum(values)
+
+    def weight_total(self) -> float:
+        """This rank's total weight (infinite or NaN where a weight cannot count: its status says so)."""
+        return self.total if self.total is not None else weight_sum(weight_values(self.weights))
+
     def local_divisor(self) -> float | None:
         """This rank's own D, for the parameters kept rank-local (DDP's ``parameters_to_ignore``, see
-        :mod:`.ddp`): its M, its total weight, or 1 for loss terms divided ahead (by their global totals); None where
-        it counted nothing (no microbatch, or a total weight of 0)."""
+        :mod:`.wrappers.ddp`): its M, its total weight, or 1 for loss terms divided ahead (by their global totals);
+        None where it counted nothing (no microbatch, or a total weight of 0)."""
         if self.mode in (DIVIDED, TERMS):
             return 1.0
-        total = weight_sum(weight_values(self.weights)) if self.mode == WEIGHTED else float(self.m)
+        total = self.weight_total() if self.mode == WEIGHTED else float(self.m)
         return total if total > 0 else None
 
     def complete(self, weight: Weight | None) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 
 from gradagg.errors import GradaggError, WindowError, first_line
-from gradagg.torch.accumulate.pad_run import zero_loss
+from gradagg.torch.accumulate.wrappers.pad_run import zero_loss
 from gradagg.torch.collectives import Group, all_gather_object, get_rank
 
 
 def substitute(output: object) -> torch.Tensor | None:
-    """A zero loss standing in for a failed loss function (see :func:`~gradagg.torch.accumulate.pad_run.zero_loss`)."""
+    """A zero loss standing in for a failed loss function (see
+    :func:`~gradagg.torch.accumulate.wrappers.pad_run.zero_loss`)."""
     return zero_loss(output)
 
 

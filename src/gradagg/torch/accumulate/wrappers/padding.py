@@ -37,19 +37,25 @@ agreement carries the failure (:mod:`.pad_run`).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
 from gradagg.errors import CollectiveError, GradaggError, first_line
-from gradagg.torch.accumulate import opening, pad_run
+from gradagg.torch.accumulate import finish, opening
 from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.wrappers import pad_run
 from gradagg.torch.collectives import all_gather_object, all_reduce_sum, device_for, get_rank, get_world_size
+
+if TYPE_CHECKING:
+    from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
 
 T = TypeVar("T")
 _END = object()  # an exhausted iterator's marker (None may be an item)
+Pad = Callable[[], torch.Tensor] | Literal["replay"] | None
+"""The padding batch: ``fn()`` returning a loss, ``"replay"`` (the last forward inputs), or None (no padding)."""
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Round:
         return len(self.running) == self.world
 
 
-def agree(state: State, now: bool, after: bool | None) -> Round:
+def agree(state: State, sh: FsdpShards, now: bool, after: bool | None) -> Round:
     """One round's all_reduce: which ranks run a microbatch now, which have one after, who needs inputs.
 
     Args:
@@ -89,20 +95,20 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
         GradaggError: on every rank, when a rank must pad and has ``pad=None`` (the window is dropped).
     """
     world, rank = get_world_size(state.group), get_rank(state.group)
-    needs = not now and state.pad == "replay" and state.kept is None
-    refuses = not now and state.pad is None
-    failed = state.pad_failure is not None
+    needs = not now and sh.pad == "replay" and sh.kept is None
+    refuses = not now and sh.pad is None
+    failed = sh.failure is not None
     vec = torch.zeros(6 * world, dtype=torch.float64)  # 6 rows of one slot per rank; a sum fills them all
     vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None, failed],
                                     dtype=torch.float64)
     got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(6, world).tolist()
     if any(got[5]):
-        _raise_failures(state)
+        _raise_failures(state, sh)
     running = [r for r in range(world) if got[0][r]]
     padding = 0 < len(running) < world
     refused = [r for r in range(world) if got[3][r]] if padding else []
     if refused:
-        _drop(state)
+        _drop(state, sh)
         raise GradaggError(
             f"rank {rank}: uneven microbatch counts in the shards form (ranks {running} run a microbatch in this "
             f"round, rank(s) {refused} have none and pad=None): FSDP2's collectives need every rank; pass "
@@ -113,23 +119,21 @@ def agree(state: State, now: bool, after: bool | None) -> Round:
     return Round(running, not any(got[1]), not any(got[4]), source, world)
 
 
-def _drop(state: State) -> None:
-    from gradagg.torch.accumulate.finish import discard  # finish calls this module: imported when needed
-
-    discard(state)
-    state.pad_failure = None
+def _drop(state: State, sh: FsdpShards) -> None:
+    finish.discard(state)
+    sh.failure = None
 
 
-def _raise_failures(state: State) -> None:
+def _raise_failures(state: State, sh: FsdpShards) -> None:
     """A padding microbatch failed on some rank in the last round (which it completed with a stand-in): every
     rank gathers what went wrong, drops the window and raises the same error."""
-    told = [t for t in all_gather_object(state.pad_failure, state.group) if t is not None]
-    _drop(state)
+    told = [t for t in all_gather_object(sh.failure, state.group) if t is not None]
+    _drop(state, sh)
     raise GradaggError(f"rank {get_rank(state.group)}: a padding microbatch failed: {'; '.join(map(str, told))}; "
                        "the window was dropped on every rank")
 
 
-def share_inputs(state: State, rnd: Round) -> None:
+def share_inputs(state: State, sh: FsdpShards, rnd: Round) -> None:
     """The round's exchange of forward inputs, for a rank that has none to replay (every rank calls it once).
 
     An ``all_gather_object`` in which only the source sends its inputs, pickled here first (the others send
@@ -141,15 +145,15 @@ def share_inputs(state: State, rnd: Round) -> None:
         return
     rnd.shared = True
     rank = get_rank(state.group)
-    got = all_gather_object(_packed(state.kept) if rank == rnd.source else None, state.group)[rnd.source]
+    got = all_gather_object(_packed(sh.kept) if rank == rnd.source else None, state.group)[rnd.source]
     if isinstance(got, str):
-        _drop(state)
+        _drop(state, sh)
         raise GradaggError(
             f"rank {rank}: pad='replay': rank {rnd.source}'s forward inputs, borrowed by the ranks that run out "
             f"(ranks {sorted(set(range(rnd.world)) - set(rnd.running))} in this round), cannot be sent: {got}; pass "
             "pad=fn (a function running a small batch of the rank's own); the window was dropped on every rank")
-    if state.kept is None and isinstance(got, bytes):  # kept for the next windows
-        state.kept = pad_run.to_device(pickle.loads(got), device_for(state.group))  # noqa: S301 - our own ranks
+    if sh.kept is None and isinstance(got, bytes):  # kept for the next windows
+        sh.kept = pad_run.to_device(pickle.loads(got), device_for(state.group))  # noqa: S301 - our own ranks
 
 
 def _packed(kept: object) -> bytes | str:
@@ -160,59 +164,56 @@ def _packed(kept: object) -> bytes | str:
         return f"{type(exc).__name__}: {first_line(exc)}"
 
 
-def pad_once(state: State, rnd: Round) -> None:
+def pad_once(state: State, sh: FsdpShards, rnd: Round) -> None:
     """Run one padding microbatch: its FSDP collectives pair with the others'; its gradients are dropped."""
-    share_inputs(state, rnd)
-    if state.fsdp is not None:
-        state.fsdp.set_all_reduce(rnd.last or not rnd.known)
-    state.padding = True
+    share_inputs(state, sh, rnd)
+    sh.side.set_all_reduce(rnd.last or not rnd.known)
+    sh.padding = True
     try:
-        failure = pad_run.run(state, rnd.running)
+        failure = pad_run.run(state, sh, rnd.running)
     finally:
-        state.padding = False
-    if failure is not None and state.pad_failure is None:
-        state.pad_failure = failure  # told at the next round's agreement, where every rank raises
-    state.window.padded += 1
+        sh.padding = False
+    if failure is not None and sh.failure is None:
+        sh.failure = failure  # told at the next round's agreement, where every rank raises
+    sh.padded += 1
 
 
-def before_forward(state: State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def before_forward(state: State, sh: FsdpShards, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The root module's forward pre-hook (shards form): open the window, agree the round, keep the inputs."""
-    if state.closed or state.padding or not torch.is_grad_enabled():
+    if state.closed or sh.padding or not torch.is_grad_enabled():
         return
     if not state.window.open:
         opening.open_window(state)
-    w = state.window
-    state.kept = (args, kwargs)  # references only: this microbatch's inputs, replaced by the next one's
-    if not state.rounds():
+    sh.kept = (args, kwargs)  # references only: this microbatch's inputs, replaced by the next one's
+    if not sh.rounds:
         return
-    if w.agreed is None:
-        w.agreed = agree(state, True, None)  # a bare microbatch whose forward comes first
-    share_inputs(state, w.agreed)
+    if sh.agreed is None:
+        sh.agreed = agree(state, sh, True, None)  # a bare microbatch whose forward comes first
+    share_inputs(state, sh, sh.agreed)
 
 
-def watch_forward(state: State) -> None:
+def watch_forward(state: State, sh: FsdpShards) -> None:
     """Register :func:`before_forward` on the root module (shards form), before FSDP's own pre-hook."""
     module = state.params.module
-    if not state.every_microbatch() or module is None:
+    if module is None:
         return
 
     def hook(_module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        before_forward(state, args, kwargs)
+        before_forward(state, sh, args, kwargs)
 
     state.extra_hooks.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
 
 
-def enter(state: State) -> Round | None:
+def enter(state: State, sh: FsdpShards) -> Round | None:
     """At ``microbatch()``'s entry (window open): the round agreed for it, agreeing it here if nothing did."""
-    w = state.window
-    if not state.rounds():
+    if not sh.rounds:
         return None
-    if w.agreed is None:
-        w.agreed = agree(state, True, None)
-    return w.agreed
+    if sh.agreed is None:
+        sh.agreed = agree(state, sh, True, None)
+    return sh.agreed
 
 
-def rounds(state: State, items: Iterable[T]) -> Iterator[T]:
+def rounds(state: State, sh: FsdpShards, items: Iterable[T]) -> Iterator[T]:
     """``microbatches()`` in the shards form: one round per item with look-ahead, then padding until all are done."""
     it = iter(items)
     upcoming: Any = next(it, _END)
@@ -220,34 +221,32 @@ def rounds(state: State, items: Iterable[T]) -> Iterator[T]:
         current, upcoming = upcoming, (_END if upcoming is _END else next(it, _END))
         if not state.window.open:
             opening.open_window(state)
-        rnd = agree(state, current is not _END, upcoming is not _END)
+        rnd = agree(state, sh, current is not _END, upcoming is not _END)
         if not rnd.running:
-            state.window.done = True
+            sh.done = True
             return
         if current is _END:
-            pad_once(state, rnd)
+            pad_once(state, sh, rnd)
             continue
-        state.window.agreed = rnd
+        sh.agreed = rnd
         state.next_last = rnd.last and rnd.everyone  # early bucket sends only where every rank runs the same
         yield current
 
 
-def finish_rounds(state: State) -> None:
+def finish_rounds(state: State, sh: FsdpShards) -> None:
     """In ``finish()``: pad until a round finds no rank with a microbatch (bare ``microbatch()`` loops)."""
-    w = state.window
-    while state.rounds() and not w.done:
-        rnd = agree(state, False, False)
+    while sh.rounds and not sh.done:
+        rnd = agree(state, sh, False, False)
         if not rnd.running:
-            w.done = True
+            sh.done = True
         else:
-            pad_once(state, rnd)
+            pad_once(state, sh, rnd)
 
 
-def explained(state: State, exc: BaseException) -> BaseException:
+def explained(state: State, rnd: Round | None, exc: BaseException) -> BaseException:
     """What a real microbatch that raised should raise instead: a CollectiveError naming the padding ranks when a
     collective failed in a round where some rank padded (a padding rank failed where no stand-in could complete
     the round: see :mod:`.pad_run`); else ``exc`` itself."""
-    rnd = state.window.agreed
     if rnd is None or rnd.everyone or not pad_run.backend_error(exc):
         return exc
     padders = sorted(set(range(rnd.world)) - set(rnd.running))
@@ -256,24 +255,23 @@ def explained(state: State, exc: BaseException) -> BaseException:
         f"ran a padding microbatch (one of them probably failed in it: its own error says how): {first_line(exc)}")
 
 
-def all_reduce_now(state: State, last: bool, lookahead: bool | None) -> bool:
+def all_reduce_now(rnd: Round | None, last: bool, lookahead: bool | None) -> bool:
     """HSDP: whether this microbatch's backward all-reduces over the replicas (deferred to the last round)."""
-    rnd = state.window.agreed
     if rnd is not None:
         return rnd.last or not rnd.known
     return last or lookahead is None
 
 
-def sends_early(state: State, last: bool) -> bool:
+def sends_early(sh: FsdpShards, rnd: Round | None, last: bool) -> bool:
     """Whether this microbatch's backward may send complete buckets: in the shards form only in a last round
     that every rank runs (elsewhere a short rank's buckets would go out between the others' FSDP collectives)."""
-    rnd = state.window.agreed
-    if not state.rounds() or not last:
+    if not sh.rounds or not last:
         return last
     return rnd is not None and rnd.last and rnd.everyone
 
 
 __all__ = [
+    "Pad",
     "Round",
     "agree",
     "all_reduce_now",

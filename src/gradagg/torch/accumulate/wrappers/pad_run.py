@@ -20,13 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate.state import State
+
+if TYPE_CHECKING:
+    from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
 from gradagg.torch.collectives import get_rank
 
 
@@ -67,7 +70,7 @@ class Watch:
             h.remove()
 
 
-def run(state: State, running: list[int]) -> str | None:
+def run(state: State, sh: FsdpShards, running: list[int]) -> str | None:
     """Run one padding forward and backward; None, or what went wrong (the round completed with a stand-in).
 
     Raises:
@@ -80,25 +83,27 @@ def run(state: State, running: list[int]) -> str | None:
         with torch.enable_grad(), buffers_kept(module):
             failure, loss = None, None
             try:
-                loss = checked(state.pad() if callable(state.pad) else replay(state))
+                loss = checked(sh.pad() if callable(sh.pad) else replay(state, sh))
             except Exception as exc:  # noqa: BLE001 - any failure: the round's collectives must still complete
-                failure = f"rank {get_rank(state.group)}: the padding microbatch ({_named(state.pad)}) {_what(exc)}"
-                loss = _stand_in(state, watch, exc, running, failure)
+                failure = f"rank {get_rank(state.group)}: the padding microbatch ({_named(sh.pad)}) {_what(exc)}"
+                loss = _stand_in(state, sh, watch, exc, running, failure)
             _backward(state, loss, running)
             return failure
     finally:
         watch.close()
 
 
-def _stand_in(state: State, watch: Watch, exc: Exception, running: list[int], failure: str) -> torch.Tensor:
+def _stand_in(
+    state: State, sh: FsdpShards, watch: Watch, exc: Exception, running: list[int], failure: str
+) -> torch.Tensor:
     if backend_error(exc):
         raise _peer_failed(state, exc, running) from exc
     if watch.output is not None:
         loss = zero_loss(watch.output)
         if loss is not None:
             return loss
-    elif not watch.started and state.kept is not None:
-        return replay(state)
+    elif not watch.started and sh.kept is not None:
+        return replay(state, sh)
     raise GradaggError(
         f"{failure}; nothing can complete this round's FSDP collectives in its place (the model's forward "
         f"{'failed inside' if watch.started else 'did not run, and this rank ran no forward of its own'}): "
@@ -178,15 +183,15 @@ def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
                     delattr(mod, name)
 
 
-def replay(state: State) -> torch.Tensor:
+def replay(state: State, sh: FsdpShards) -> torch.Tensor:
     """``pad="replay"``: the root module's last forward inputs run again, the output's floating tensors summed."""
     module = state.params.module
-    if state.kept is None or module is None:
+    if sh.kept is None or module is None:
         raise GradaggError(
             f"rank {get_rank(state.group)}: pad='replay' has no forward inputs to replay (no forward through the "
             "module given to the accumulator ran on any rank); pass pad=fn"
         )
-    args, kwargs = _map(state.kept, lambda t: t.detach())
+    args, kwargs = _map(sh.kept, lambda t: t.detach())
     out = module(*args, **kwargs)
     parts = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
     if not parts:

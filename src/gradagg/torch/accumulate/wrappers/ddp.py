@@ -53,7 +53,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradagg.errors import CollectiveError, GradaggError
+from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import PEER, Window
+from gradagg.torch.accumulate.wrappers.plain import Plain
 from gradagg.torch.collectives import (
     Group,
     all_gather_into,
@@ -63,6 +65,37 @@ from gradagg.torch.collectives import (
     get_rank,
     get_world_size,
 )
+
+
+class Ddp(Plain):
+    """The :class:`~gradagg.torch.accumulate.seam.Wrapper` of a DDP module: held in ``no_sync()`` (:class:`DdpHold`),
+    its buffers broadcast after each exchange, its ``parameters_to_ignore`` divided by this rank's own count."""
+
+    name = "ddp"
+
+    def __init__(self, hold: DdpHold) -> None:
+        super().__init__()
+        self.hold = hold
+
+    def after_exchange(self, state: State) -> None:
+        # every rank exchanged, whatever its count: the next window starts with rank 0's buffers
+        self.hold.sync_buffers(state.window)
+
+    def close(self, state: State) -> None:
+        if self.hold.local:  # DDP's parameters_to_ignore: this rank's sum over its own count
+            self.hold.divide_local(state.window.local_divisor())
+
+    def discard(self, state: State) -> None:
+        self.hold.drop_local()
+
+    def release(self) -> None:
+        self.hold.release()
+
+    def refuses_terms(self) -> str | None:
+        if not self.hold.local:
+            return None
+        return (f"terms= with DDP's parameters_to_ignore ({[n for n, _ in self.hold.local]}): their gradients are "
+                "not taken by the accumulator, so no term could be told apart in them")
 
 
 class DdpHold:
@@ -264,4 +297,4 @@ def _sync_option(ddp: DistributedDataParallel) -> str:
     return "forward_sync_buffers" if hasattr(ddp, "forward_sync_buffers") else "broadcast_buffers"
 
 
-__all__ = ["DdpHold", "ddp_group", "skip_buffer_sync"]
+__all__ = ["Ddp", "DdpHold", "ddp_group", "skip_buffer_sync"]

@@ -1,0 +1,93 @@
+"""One module per wrapper behind :class:`~gradagg.torch.accumulate.seam.Wrapper`, and :func:`chooser`, which picks one.
+
+* :mod:`.plain`: a module or tensors (every other wrapper starts from it);
+* :mod:`.ddp`: ``DistributedDataParallel``, held in ``no_sync()``;
+* :mod:`.fsdp`: FSDP2's modules and shards (shared by both forms); :mod:`.fsdp_window`: ``fsdp="window"``;
+  :mod:`.fsdp_shards`: ``fsdp="shards"``, with its rounds and padding (:mod:`.padding`, :mod:`.pad_run`).
+
+The accumulator's own modules never import these: the public shell passes :func:`chooser`'s result to
+:func:`~gradagg.torch.accumulate.state.build`, and everything after calls the wrapper through the seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gradagg.errors import GradaggError
+from gradagg.torch.accumulate import lifetime
+from gradagg.torch.accumulate.ledger import Span
+from gradagg.torch.accumulate.meshes import check_fsdp_mesh
+from gradagg.torch.accumulate.params import Params
+from gradagg.torch.accumulate.seam import Wrapper
+from gradagg.torch.accumulate.wrappers.ddp import Ddp, DdpHold, ddp_group
+from gradagg.torch.accumulate.wrappers.fsdp import FsdpParams, Mode, check_mode
+from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
+from gradagg.torch.accumulate.wrappers.fsdp_window import FsdpWindow
+from gradagg.torch.accumulate.wrappers.padding import Pad
+from gradagg.torch.accumulate.wrappers.plain import Plain
+from gradagg.torch.collectives import Group, get_world_size
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The wrapper chosen for some parameters, before it changes anything: the group it reduces over, the span, and
+    :attr:`make`, which builds it (configuring FSDP2's modules, entering DDP's ``no_sync()``)."""
+
+    group: Group
+    span: Span
+    make: Callable[[], Wrapper]
+
+
+Choose = Callable[[Params, Group, Span], Choice]
+
+
+def chooser(fsdp: Mode, pad: Pad) -> Choose:
+    """The function :func:`~gradagg.torch.accumulate.state.build` calls to choose the wrapper of the parameters.
+
+    Args:
+        fsdp: the FSDP2 form, ``"shards"`` or ``"window"`` (checked even without FSDP2).
+        pad: the shards form's padding batch (checked even without FSDP2).
+
+    Raises:
+        GradaggError: an invalid ``fsdp`` or ``pad``.
+    """
+    mode = check_mode(fsdp)
+    if not (pad is None or pad == "replay" or callable(pad)):
+        raise GradaggError(f"pad must be a function returning a loss, 'replay' or None, got {pad!r}")
+
+    def choose(params: Params, group: Group, span: Span) -> Choice:
+        if params.ddp is not None:
+            ddp, local = params.ddp, params.local
+            group = ddp_group(ddp, group)  # DDP's own group, or a refusal of another one
+            span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
+            return Choice(group, span, lambda: Ddp(DdpHold(ddp, group, local)))
+        if not params.sharded:
+            return Choice(group, span, Plain)
+        return _fsdp(params, mode, pad, group, span)
+
+    return choose
+
+
+def _fsdp(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Choice:
+    sharded = params.sharded
+    module = params.module
+    if module is None:
+        raise GradaggError("DTensor parameters: pass the module fully_shard was applied to, not its parameters")
+    mesh = params.tensors[sharded[0]].device_mesh  # type: ignore[attr-defined]
+    dims = mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(mesh.ndim))  # an unnamed mesh
+    world = get_world_size(group)
+
+    def make() -> Wrapper:
+        if world > 1:
+            check_fsdp_mesh(mesh, span)  # before FsdpParams configures the modules
+        names = [params.names[i] for i in sharded]
+        side = FsdpParams(module, names, [params.tensors[i] for i in sharded], mode, world)  # type: ignore[arg-type]
+        if mode == "window":
+            return FsdpWindow(side, frozenset(sharded))
+        return FsdpShards(side, frozenset(sharded), pad, group)
+
+    return Choice(group, replace(span, reduced_over=tuple(dims)), make)
+
+
+__all__ = ["Choice", "Choose", "chooser"]
