@@ -103,9 +103,11 @@ class PipelineAccumulator:
 
         Raises:
             WindowError: on every rank, with every gradient set to None, when some rank had non-zero gradients before
-                the step (call ``optimizer.zero_grad()``), a count is NaN, Inf or negative, a pipeline has no
-                last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), D = 0, or the
-                loss function failed on some microbatch (naming it, the rank and the error). A failure inside
+                the step (call ``optimizer.zero_grad()``), a count cannot count (NaN, Inf, negative, or a replica's
+                counts sum beyond float64: named by its microbatch and rank, in the words ``MicrobatchAccumulator``
+                refuses such a weight with), a pipeline has no last stage or no count (the schedule was not built
+                with ``loss_fn=pipe.loss(fn)``), D = 0 or beyond float64, or the loss function failed on some
+                microbatch (naming it, the rank and the error). A failure inside
                 the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
             CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
                 schedule class, ``n_microbatches`` or the stages (one small all_gather_object per step); a
