@@ -54,6 +54,9 @@ def test_divisor_counted_once_on_the_last_stage(ranks: list[dict[str, Any]]) -> 
     assert ranks[0]["fewer"]["ledger"].microbatches_per_replica == (4, 2)
     assert ranks[1]["gpipe"]["ledger"].absent == ("stage1.unused.weight", "stage1.unused.bias")
     assert "divisor D = total weight = 44 (per replica: [23, 21])" in uneven.report()
+    # the counts' two small all_reduce, one for the float32 gradients, one for the tie; the schedules compared once
+    for r in ranks:
+        assert r["gpipe"]["collectives"] == {"all_gather_object": 1, "all_reduce(sum)": 4}, r["gpipe"]["collectives"]
     assert uneven.weight_per_rank == uneven.tokens_per_replica == (23.0, 21.0) and uneven.weighting == "weighted"
     assert (uneven.rank, uneven.pp_rank, uneven.microbatches_global, uneven.weight_global) == (0, 1, 8, 44.0)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradagg.errors import WindowError
-from gradagg.torch import PipelineAccumulator, grad_norm
+from gradagg.torch import PipelineAccumulator, count_collectives, grad_norm
 from tests.torch.workers import pipe_model as m
 
 Layout = list[list[list[int]]]  # per replica, per microbatch, the length of each sequence
@@ -87,9 +87,11 @@ def exact_case(me: Rank, kind: str, layout: Layout) -> dict[str, Any]:
     mbs = batches(layout, me.dp)
     sched = schedule(kind, stages, len(mbs), pipe.loss(m.token_sum_loss))  # scale_grads=True: step turns it off
     args, kwargs = step_inputs(stages, mbs)
-    ledger = pipe.step(sched, *args, **kwargs)
+    with count_collectives() as calls:
+        ledger = pipe.step(sched, *args, **kwargs)
     want, norm = m.truth(batches(layout, 0) + batches(layout, 1))
-    out = {"error": error(stages, modules, want), "ledger": ledger, "scale_restored": sched.scale_grads}
+    out = {"error": error(stages, modules, want), "ledger": ledger, "scale_restored": sched.scale_grads,
+           "collectives": dict(calls.by_op)}
     if kind == "gpipe" and layout is UNEVEN:
         out.update(norms(me, pipe, stages, modules, want, norm))
     return out
