@@ -4,8 +4,8 @@ The worker (tests.torch.workers.pipeline) runs every case in one world: GPipe, 1
 (two stages per rank) with uneven counts per replica and per microbatch; a replica padded with count-0
 microbatches; a replica running fewer microbatches than the other; torch's own recipe (a token mean per
 microbatch, scale_grads, a DP mean), shown wrong; the norm with the tied embedding/head counted once against
-the naive double count; a layer present on one replica only; gradients zeroed in place; and three steps
-refused on every rank (a NaN count, stale gradients, D = 0).
+the naive double count; a layer present on one replica only; gradients zeroed in place; and steps refused on
+every rank (stale gradients, D = 0, counts that cannot count: in the accumulator's words).
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+from gradagg.errors import WindowError
 from gradagg.testing import run_local_world
+from gradagg.torch import MicrobatchAccumulator
 from tests.torch.workers import pipeline as w
 
 # float64: gradagg's gradients are the oracle's per-token terms summed in another order (per microbatch,
@@ -50,7 +53,12 @@ def test_divisor_counted_once_on_the_last_stage(ranks: list[dict[str, Any]]) -> 
     assert ranks[0]["padded"]["ledger"].padding_per_replica == (0, 2)
     assert ranks[0]["fewer"]["ledger"].microbatches_per_replica == (4, 2)
     assert ranks[1]["gpipe"]["ledger"].absent == ("stage1.unused.weight", "stage1.unused.bias")
-    assert "divisor D = total count = 44" in uneven.report()
+    assert "divisor D = total weight = 44 (per replica: [23, 21])" in uneven.report()
+    # the counts' two small all_reduce, one for the float32 gradients, one for the tie; the schedules compared once
+    for r in ranks:
+        assert r["gpipe"]["collectives"] == {"all_gather_object": 1, "all_reduce(sum)": 4}, r["gpipe"]["collectives"]
+    assert uneven.weight_per_rank == uneven.tokens_per_replica == (23.0, 21.0) and uneven.weighting == "weighted"
+    assert (uneven.rank, uneven.pp_rank, uneven.microbatches_global, uneven.weight_global) == (0, 1, 8, 44.0)
 
 
 def test_parameter_present_on_one_replica_only(ranks: list[dict[str, Any]]) -> None:
@@ -88,13 +96,55 @@ def test_norm_counts_tied_weight_once(ranks: list[dict[str, Any]]) -> None:
     assert len({r["gpipe"]["norm"] for r in ranks}) == 1
 
 
-@pytest.mark.parametrize("what", ["nan", "stale", "zero"])
+@pytest.mark.parametrize("what", ["stale", "zero"])
 def test_refused_on_every_rank(ranks: list[dict[str, Any]], what: str) -> None:
-    """A NaN count, gradients before the step (on one rank), or D = 0: WindowError on all four ranks, naming
-    the replica, with every gradient set to None (never a silent division)."""
-    words = {"nan": "counted NaN", "stale": "had non-zero gradients before the step",
-             "zero": "total count D is 0"}[what]
+    """Gradients before the step (on one rank), or D = 0: WindowError on all four ranks, naming the replica, with
+    every gradient set to None (never a silent division)."""
+    words = {"stale": "had non-zero gradients before the step", "zero": "total count D is 0"}[what]
     for r in ranks:
         out = r[f"refused_{what}"]
         assert out["raised"] is not None and words in out["raised"]
         assert out["all_none"]
+
+
+# What the accumulator says of the same weights (the counts of tests.torch.workers.pipeline.BAD_COUNTS).
+SAME_WORDS = {
+    "nan": "microbatch 0 has weight nan: a weight must be finite and non-negative",
+    "negative": "microbatch 2 has weight -3.0: a weight must be finite and non-negative",
+    "inf": "microbatch 1 has weight inf: a weight must be finite and non-negative",
+    "overflow": "the 4 weights of this rank's window sum beyond float64",
+}
+
+
+def _accumulator_refusal(what: str) -> str:
+    """finish()'s message for the window of replica 1's counts (1 standing for each count that can count)."""
+    p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    for k in range(4):
+        with acc.microbatch(weight=w.BAD_COUNTS[what](k, 1.0)):
+            p.sum().backward()
+    with pytest.raises(WindowError) as info:
+        acc.finish()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("what", list(SAME_WORDS))
+def test_count_that_cannot_count_refused_as_the_accumulator_refuses_it(ranks: list[dict[str, Any]], what: str) -> None:
+    """A count that is NaN, negative or infinite on replica 1 (or counts that sum beyond float64): WindowError on
+    all four ranks, every gradient None, naming the replica's last stage (pipeline rank 1, global rank 3), the
+    microbatch and the value in the very words the MicrobatchAccumulator refuses the same weights with."""
+    assert SAME_WORDS[what] in _accumulator_refusal(what)
+    for r in ranks:
+        out = r[f"refused_{what}"]
+        assert out["raised"] is not None and out["all_none"], out
+        assert SAME_WORDS[what] in out["raised"], out["raised"]
+        assert "pipeline rank 1 (global rank 3) of data-parallel replica 1, the loss function's counts" in out["raised"]
+
+
+def test_replica_counts_beyond_float64_are_refused(ranks: list[dict[str, Any]]) -> None:
+    """Each replica's count is finite (1e308 and a few tokens), their sum D is not: refused on every rank (it
+    would have divided every gradient to 0)."""
+    for r in ranks:
+        out = r["refused_beyond"]
+        assert out["raised"] is not None and out["all_none"], out
+        assert "the total count D over the replicas sums beyond float64" in out["raised"], out["raised"]

@@ -7,6 +7,7 @@ numbers (errors against the one-process oracle of tests.torch.workers.pipe_model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from gradagg.errors import WindowError
-from gradagg.torch import PipelineAccumulator, grad_norm
+from gradagg.torch import PipelineAccumulator, count_collectives, grad_norm
 from tests.torch.workers import pipe_model as m
 
 Layout = list[list[list[int]]]  # per replica, per microbatch, the length of each sequence
@@ -86,9 +87,11 @@ def exact_case(me: Rank, kind: str, layout: Layout) -> dict[str, Any]:
     mbs = batches(layout, me.dp)
     sched = schedule(kind, stages, len(mbs), pipe.loss(m.token_sum_loss))  # scale_grads=True: step turns it off
     args, kwargs = step_inputs(stages, mbs)
-    ledger = pipe.step(sched, *args, **kwargs)
+    with count_collectives() as calls:
+        ledger = pipe.step(sched, *args, **kwargs)
     want, norm = m.truth(batches(layout, 0) + batches(layout, 1))
-    out = {"error": error(stages, modules, want), "ledger": ledger, "scale_restored": sched.scale_grads}
+    out = {"error": error(stages, modules, want), "ledger": ledger, "scale_restored": sched.scale_grads,
+           "collectives": dict(calls.by_op)}
     if kind == "gpipe" and layout is UNEVEN:
         out.update(norms(me, pipe, stages, modules, want, norm))
     return out
@@ -149,16 +152,30 @@ def schedule_own_case(me: Rank) -> dict[str, Any]:
     return {"error": error(stages, modules, want)}
 
 
+# Counts that cannot count, as replica 1's last stage returns them (microbatch k, its true count): the accumulator
+# refuses the same weights with the same words (test_pipeline.py compares them). "beyond" is replica 0's and 1's:
+# each replica's total is finite, the two together leave float64.
+BAD_COUNTS: dict[str, Callable[[int, Any], Any]] = {
+    "nan": lambda k, count: float("nan"),
+    "negative": lambda k, count: torch.tensor(-3) if k == 2 else count,
+    "inf": lambda k, count: float("inf") if k == 1 else count,
+    "overflow": lambda k, count: 1e308 if k < 2 else count,
+    "beyond": lambda k, count: 1e308 if k == 0 else count,
+}
+
+
 def refused_case(me: Rank, what: str) -> dict[str, Any]:
     """A step that must raise on every rank, leaving every gradient None."""
     stages, _, tied = build(me, 1)
     pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
     layout = [[[0, 1]] * 2, [[1, 0]] * 2] if what == "zero" else UNEVEN
     mbs = batches(layout, me.dp)
+    bad = BAD_COUNTS.get(what) if me.dp == 1 or what == "beyond" else None
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Any]:
         total, count = m.token_sum_loss(logits, labels)
-        return total, (float("nan") if what == "nan" and me.dp == 1 else count)
+        k = next((k for k, b in enumerate(mbs) if torch.equal(labels, b[1])), None)  # None: shape inference
+        return total, (count if bad is None or k is None else bad(k, count))
 
     if what == "stale" and dist.get_rank() == 3:
         next(iter(pipe.params)).grad = torch.ones_like(pipe.params[0])
@@ -181,6 +198,6 @@ def world() -> dict[str, Any]:
     out["presence"] = presence_case(me)
     out["zeroed"] = zeroed_case(me)
     out["schedule_own"] = schedule_own_case(me)
-    for what in ("nan", "stale", "zero"):
+    for what in ("stale", "zero", *BAD_COUNTS):
         out[f"refused_{what}"] = refused_case(me, what)
     return out

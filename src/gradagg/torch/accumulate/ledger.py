@@ -11,6 +11,7 @@ parameter got a gradient (reported, never a divisor).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 NONE, UNWEIGHTED, WEIGHTED, DIVIDED, TERMS = range(5)
 """How a rank's window was counted: the code that travels in the window's collective."""
@@ -102,6 +103,7 @@ class Ledger:
     rank_local: tuple[str, ...] = ()
     rank_local_divisor: float | None = None
     span: Span = Span()
+    _per: ClassVar[str] = "rank"  # what the ``*_per_rank`` fields are per, in the report (a pipeline's: "replica")
 
     @property
     def counted_over(self) -> tuple[str, ...]:
@@ -129,13 +131,15 @@ class Ledger:
             lines.append(f"{name:<{width}}  {local:>6}  {g:>6}")
         lines.append("participation = microbatches in which the parameter got a gradient; reported, never a divisor")
         if self.rank_local:
-            d = "-" if self.rank_local_divisor is None else _num(self.rank_local_divisor)
+            d = "-" if self.rank_local_divisor is None else number_text(self.rank_local_divisor)
             lines.append(f"rank-local, not reduced (DDP's parameters_to_ignore), divided by this rank's own count {d}: "
                          f"{', '.join(self.rank_local)}")
         return "\n".join(lines)
 
     def _counts_line(self) -> str:
-        per_rank = "" if self.microbatches_per_rank is None else f" (per rank: {list(self.microbatches_per_rank)})"
+        per_rank = ""
+        if self.microbatches_per_rank is not None:
+            per_rank = f" (per {self._per}: {list(self.microbatches_per_rank)})"
         glob = "not finished" if self.microbatches_global is None else str(self.microbatches_global)
         return f"microbatches: local {self.microbatches_local}, global {glob}{per_rank}"
 
@@ -145,18 +149,23 @@ class Ledger:
         if self.weighting == "weighted":
             per_rank = ""
             if self.weight_per_rank is not None:
-                per_rank = f" (per rank: [{', '.join(_num(w) for w in self.weight_per_rank)}])"
-            return [f"divisor D = total weight = {_num(self.divisor)}{per_rank}"]
+                per_rank = f" (per {self._per}: [{', '.join(number_text(w) for w in self.weight_per_rank)}])"
+            return [f"divisor D = total weight = {number_text(self.divisor)}{per_rank}"]
         if self.weighting == "divided ahead":
-            terms = ", ".join(f"{k} by {_num(v)}" for k, v in (self.terms or {}).items())
+            terms = ", ".join(f"{k} by {number_text(v)}" for k, v in (self.terms or {}).items())
             return [f"divisor D = 1: loss terms divided ahead ({terms})"]
         if self.weighting == "terms":
-            terms = ", ".join(f"{k} by {_num(v)}" for k, v in (self.terms or {}).items())
+            terms = ", ".join(f"{k} by {number_text(v)}" for k, v in (self.terms or {}).items())
             return [f"each loss term divided by its count on all ranks: {terms}"]
-        return [f"divisor M = {_num(self.divisor)}"]
+        return [f"divisor M = {number_text(self.divisor)}"]
 
 
-def _num(x: float) -> str:
+def number_text(x: float) -> str:
+    """``x`` as a report writes it: ``44`` for 44.0, ``2.5`` for 2.5.
+
+    >>> number_text(44.0), number_text(2.5)
+    ('44', '2.5')
+    """
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 

@@ -6,16 +6,14 @@ Everything that must make *every* rank refuse travels as a status code in the wi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from numbers import Real
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
-from gradagg.errors import GradaggError
+# the counting rules, shared with the pipeline (gradagg.torch.pipeline); re-exported: importers keep their names
+from gradagg.torch.accumulate.counting import Weight, check_weight, weight_problem, weight_sum, weight_values
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, UNWEIGHTED, WEIGHTED
-from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
@@ -36,8 +34,6 @@ STATUS_TEXT = {
     TERM: "could not count its loss terms (see the message of the rank named)",
 }
 
-Weight = float | torch.Tensor
-
 
 @dataclass
 class Into:
@@ -50,106 +46,6 @@ class Into:
 
 NO_TERM = Into("", None)
 """``Window.into`` in a microbatch of an accumulator with loss terms, outside ``mb.backward()``: gradients refused."""
-
-
-def check_weight(weight: object) -> Weight:
-    """A microbatch weight, its value taken now: a real number, or a copy of a 0-dim real tensor.
-
-    A tensor is copied on its device (no host sync): a count the caller keeps in one tensor and updates in place
-    for the next microbatch (``w.copy_(n)``) still counts the value it had here. A DTensor counts its global value
-    when every rank holds it whole (``Replicate`` placements: its local tensor); a ``Partial`` one has no value here
-    without a collective that ranks with other microbatch counts would not all run, and is refused.
-
-    A value that cannot count (negative, NaN, infinite, beyond float64, a tensor on the meta device, which has
-    no value) is not refused here: :func:`weight_problem` names it and ``finish()`` refuses on every rank.
-
-    Raises:
-        GradaggError: a bool, a string, a complex number, a tensor with more than one element, a DTensor that is
-            not replicated, ...
-
-    >>> check_weight(12)
-    12.0
-    >>> count = torch.tensor(3)
-    >>> taken = check_weight(count); _ = count.fill_(5); int(taken)
-    3
-    >>> check_weight(True)
-    Traceback (most recent call last):
-    ...
-    gradagg.errors.GradaggError: a microbatch weight must be a real number or a 0-dim tensor, got bool True
-    """
-    if isinstance(weight, torch.Tensor):
-        if weight.dim() != 0 or weight.dtype == torch.bool or weight.is_complex():
-            raise GradaggError(
-                f"a microbatch weight tensor must be 0-dim and real, got shape {tuple(weight.shape)} {weight.dtype}"
-            )
-        return _local_value(weight).detach().clone()
-    if isinstance(weight, bool) or not isinstance(weight, Real):
-        raise GradaggError(
-            f"a microbatch weight must be a real number or a 0-dim tensor, got {type(weight).__name__} {weight!r}"
-        )
-    try:
-        return float(weight)
-    except OverflowError:  # an int (or Fraction) beyond float64: refused on every rank by weight_problem
-        return math.inf if cast(float, weight) > 0 else -math.inf
-
-
-def _local_value(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor holding ``weight``'s global value: a replicated DTensor's local copy (``to_local()``, public)."""
-    if not is_dtensor(weight):
-        return weight
-    placements = tuple(weight.placements)  # type: ignore[attr-defined]
-    if not all(p.is_replicate() for p in placements):
-        raise GradaggError(
-            f"a microbatch weight is a DTensor with placements {placements}: only a replicated one holds its global "
-            "value on every rank; pass a plain tensor or number (e.g. weight.full_tensor(), called on every rank at "
-            "the same point), or a DTensor with Replicate() placements"
-        )
-    return cast(torch.Tensor, weight.to_local())  # type: ignore[attr-defined]
-
-
-def weight_values(weights: list[Weight]) -> list[float]:
-    """The weights as Python floats (tensors read in one transfer; one on the meta device reads as NaN).
-
-    >>> weight_values([2.0, torch.tensor(3, dtype=torch.int8), torch.tensor(1.0, device="meta")])
-    [2.0, 3.0, nan]
-    """
-    tensors = [w for w in weights if isinstance(w, torch.Tensor) and not w.is_meta]
-    read = iter(torch.stack([t.double().cpu() for t in tensors]).tolist() if tensors else [])
-    return [(math.nan if w.is_meta else next(read)) if isinstance(w, torch.Tensor) else w for w in weights]
-
-
-def weight_problem(weights: list[Weight], values: list[float]) -> str | None:
-    """The first weight that cannot count, named by its microbatch; or a sum of weights beyond float64.
-
-    >>> weight_problem([1.0, -2.0], [1.0, -2.0])
-    'microbatch 1 has weight -2.0: a weight must be finite and non-negative'
-    """
-    for k, (w, v) in enumerate(zip(weights, values)):
-        if isinstance(w, torch.Tensor) and w.is_meta:
-            return f"microbatch {k} has a weight tensor on the meta device, which holds no value to count"
-        if not math.isfinite(v) or v < 0:
-            return f"microbatch {k} has weight {v}: a weight must be finite and non-negative"
-    if not math.isfinite(weight_sum(values)):
-        return f"the {len(values)} weights of this rank's window sum beyond float64 (more than {_FLOAT64_MAX:.3e})"
-    return None
-
-
-_FLOAT64_MAX = 1.7976931348623157e308
-
-
-def weight_sum(values: list[float]) -> float:
-    """The exact sum of ``values`` rounded once (``math.fsum``), never an exception: infinite where it leaves
-    float64, NaN for ``inf + -inf`` (such weights were already named by :func:`weight_problem`).
-
-    >>> weight_sum([1e308, 1e308]), weight_sum([math.inf, -math.inf])
-    (inf, nan)
-    """
-    try:
-        return math.fsum(values)
-    except OverflowError:  # the exact sum of finite values leaves float64
-        return math.inf
-    except ValueError:  # fsum refuses inf + -inf
-        return math.nan
 
 
 @dataclass
@@ -234,4 +130,7 @@ class Window:
             self.weights.append(weight)
 
 
-__all__ = ["NO_TERM", "STATUS_TEXT", "Into", "Window", "check_weight", "weight_problem", "weight_sum", "weight_values"]
+__all__ = [
+    "NO_TERM", "STATUS_TEXT", "Into", "Weight", "Window",
+    "check_weight", "weight_problem", "weight_sum", "weight_values",  # from .counting
+]

@@ -7,7 +7,10 @@ is the number of tokens its loss summed, taken by the last stage (the only one t
 **divisor** D is the sum of the counts over all microbatches of all replicas. After a step, every stage's
 gradients are (sum over its replicas of the summed-loss gradients) / D: the same D on every stage, counted
 once. A **padding** microbatch counts 0 (present, weight zero); a parameter with no gradient on any replica
-is **absent** and stays None; a NaN gradient stays NaN; a NaN count is refused.
+is **absent** and stays None; a NaN gradient stays NaN. The last stage counts as the accumulator counts its
+weights (:mod:`gradagg.torch.accumulate.counting`): a count that cannot count (NaN, Inf, negative) is refused
+on every rank, in the accumulator's words; the step's :class:`PipelineLedger` is its
+:class:`~gradagg.torch.accumulate.ledger.Ledger`, the replicas standing for the ranks.
 
 torch's schedules need the same number of microbatches on every stage of a pipeline per ``step`` call; the
 replicas may differ (each is its own pipeline, and gradagg reduces over the replicas after the step), or a

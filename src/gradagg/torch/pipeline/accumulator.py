@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from gradagg.errors import GradaggError, PlacementError, WindowError
+from gradagg.torch.accumulate.ledger import Span
+from gradagg.torch.accumulate.lifetime import group_ranks
 from gradagg.torch.accumulate.stale import clear_zeroed
 from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
@@ -100,9 +103,11 @@ class PipelineAccumulator:
 
         Raises:
             WindowError: on every rank, with every gradient set to None, when some rank had non-zero gradients before
-                the step (call ``optimizer.zero_grad()``), a count is NaN, Inf or negative, a pipeline has no
-                last stage or no count (the schedule was not built with ``loss_fn=pipe.loss(fn)``), D = 0, or the
-                loss function failed on some microbatch (naming it, the rank and the error). A failure inside
+                the step (call ``optimizer.zero_grad()``), a count cannot count (NaN, Inf, negative, or a replica's
+                counts sum beyond float64: named by its microbatch and rank, in the words ``MicrobatchAccumulator``
+                refuses such a weight with), a pipeline has no last stage or no count (the schedule was not built
+                with ``loss_fn=pipe.loss(fn)``), D = 0 or beyond float64, or the loss function failed on some
+                microbatch (naming it, the rank and the error). A failure inside
                 the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
             CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
                 schedule class, ``n_microbatches`` or the stages (one small all_gather_object per step); a
@@ -138,8 +143,8 @@ class PipelineAccumulator:
         present = [p.grad is not None for p in self.params]
         totals = reduce_counts(self._counts, self.last, stale, present, self.pp_group, self.dp_group)
         problem = _problem(totals)
-        if any(totals.failed):
-            problem = "; ".join(failures.texts(self._counts.failed, self.pp_group, self.dp_group))
+        if any(totals.failed) or any(totals.invalid):  # the same on every rank: each names what it could not count
+            problem = "; ".join(failures.texts(self._counts.problems(), self.pp_group, self.dp_group))
         if problem is not None:
             self._drop()
             raise WindowError(f"rank {get_rank()}: {problem}; every rank raises, and every gradient is now None")
@@ -157,14 +162,17 @@ class PipelineAccumulator:
                                copies=self.ties.copies(), error_if_nonfinite=error_if_nonfinite)
 
     def _ledger(self, totals: Totals) -> PipelineLedger:
+        """The Ledger's fields with the replicas for ranks (see :class:`PipelineLedger`), and the pipeline's own."""
+        dp = get_rank(self.dp_group)
         return PipelineLedger(
-            rank=(get_rank(self.pp_group), get_rank(self.dp_group)),
-            stages=tuple(s.stage_index for s in self.stages), last=self.last,
-            tokens_local=local_tokens(self._counts, self.last), tokens_per_replica=totals.tokens,
-            microbatches_per_replica=totals.microbatches, padding_per_replica=totals.padding,
-            divisor=totals.divisor, loss=totals.loss / totals.divisor,
-            absent=tuple(n for n, here in zip(self.names, totals.present) if not here),
-            tied=tuple(self.ties.names),
+            rank=dp, world_size=len(totals.tokens), microbatches_local=totals.microbatches[dp],
+            microbatches_global=sum(totals.microbatches), microbatches_per_rank=totals.microbatches,
+            divisor=totals.divisor, weight_local=totals.tokens[dp], weight_per_rank=totals.tokens,
+            weight_global=totals.divisor, span=Span(ranks=tuple(sorted(group_ranks(self.dp_group)))),
+            pp_rank=get_rank(self.pp_group), stages=tuple(s.stage_index for s in self.stages), last=self.last,
+            tokens_local=local_tokens(self._counts, self.last), padding_per_replica=totals.padding,
+            loss=totals.loss / totals.divisor,
+            absent=tuple(n for n, here in zip(self.names, totals.present) if not here), tied=tuple(self.ties.names),
         )
 
 
@@ -194,11 +202,11 @@ def _check_ties(tied: Mapping[str, torch.Tensor], params: list[torch.Tensor]) ->
 
 
 def _problem(t: Totals) -> str | None:
-    """Why the step cannot be divided, the same words on every rank (None: it can)."""
+    """Why the step cannot be divided, the same words on every rank (None: it can). A count that cannot count, or a
+    failed loss function, is named by the rank where it happened, to every rank (:meth:`Counts.problems`)."""
     replicas = range(len(t.tokens))
     checks = [
         ([r for r in replicas if t.stale[r]], "had non-zero gradients before the step (call optimizer.zero_grad())"),
-        ([r for r in replicas if t.invalid[r]], "counted NaN, Inf or a negative number"),
         ([r for r in replicas if t.lasts[r] != 1], "do not have exactly one last stage among the stages passed"),
         ([r for r in replicas if t.lasts[r] == 1 and t.microbatches[r] == 0],
          "recorded no count: build the schedule with loss_fn=pipe.loss(fn)"),
@@ -208,4 +216,6 @@ def _problem(t: Totals) -> str | None:
             return f"data-parallel replica(s) {bad} {what}"
     if t.divisor == 0:
         return f"the total count D is 0 (microbatches per replica {list(t.microbatches)}, all padding)"
+    if not math.isfinite(t.divisor):  # each replica's count is finite (weight_problem): their sum is not
+        return f"the total count D over the replicas sums beyond float64 (per replica {list(t.tokens)})"
     return None

@@ -1,11 +1,16 @@
 """The counts of a pipelined step: taken where the labels are (the last stage), summed once, known everywhere.
 
-Only the last stage runs the loss, so only it can count. As Megatron's ``finalize_model_grads`` broadcasts
-``num_tokens`` from the last stage, the first all_reduce below runs over the pipeline group, in which every
-other stage contributes zeros: a broadcast written as a sum, which also shows how many stages claimed to be
-last. The second runs over the data-parallel group, each replica's numbers in a slot of their own (so the
-ledger has them per replica) and one presence flag per parameter after them (absent on every replica stays
-None; absent on some is written as zeros). Two small collectives per step, whatever the model's size.
+Only the last stage runs the loss, so only it can count. It counts as the accumulator does
+(:mod:`gradagg.torch.accumulate.counting`): each microbatch's count taken when the loss function returns it
+(:func:`~gradagg.torch.accumulate.counting.check_weight`: copied, a tensor on its device), the step's counts
+read once, the first that cannot count named by its microbatch, and summed exactly
+(:class:`~gradagg.torch.accumulate.counting.Tally`). What only a pipeline does is where the count goes next.
+As Megatron's ``finalize_model_grads`` broadcasts ``num_tokens`` from the last stage, the first all_reduce
+below runs over the pipeline group, in which every other stage contributes zeros: a broadcast written as a sum,
+which also shows how many stages claimed to be last. The second runs over the data-parallel group, each
+replica's numbers in a slot of their own (so the ledger has them per replica) and one presence flag per
+parameter after them (absent on every replica stays None; absent on some is written as zeros). Two small
+collectives per step, whatever the model's size, and one read back of their result.
 """
 
 from __future__ import annotations
@@ -14,28 +19,31 @@ from dataclasses import dataclass
 
 import torch
 
-from gradagg.errors import GradaggError, first_line
+from gradagg.errors import GradaggError
+from gradagg.torch.accumulate.counting import Read, Tally, Weight, check_weight, weight_sum
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, get_world_size
 
-# One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, invalid counts, stale ranks,
-# microbatches whose loss function failed.
+# One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, counts that cannot count,
+# stale ranks, microbatches whose loss function failed.
+TOKENS, MICROBATCHES, PADDING, LASTS, LOSS, INVALID, STALE, FAILED = range(8)
 _FIELDS = 8
+_NOTHING = Read((), None, 0.0)
 
 
 class Counts:
     """What this rank's last stage counted during one step, in the order its microbatches ran."""
 
     def __init__(self) -> None:
-        self.tokens: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []
         self.failed: list[str] = []  # what went wrong in each microbatch whose loss function failed, in order
-        self._calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.read: Read = _NOTHING  # the kept counts, read once (:meth:`keep`)
+        self._calls: list[tuple[torch.Tensor, Weight]] = []
         self._failures: dict[int, tuple[torch.Tensor, str]] = {}
 
     def clear(self) -> None:
-        self.tokens.clear()
         self.losses.clear()
         self.failed.clear()
+        self.read = _NOTHING
         self._calls.clear()
         self._failures.clear()
 
@@ -43,25 +51,24 @@ class Counts:
         """A loss function call that failed: ``substitute`` (a zero loss) ran in its place; ``what`` says why."""
         self._failures[id(substitute)] = (substitute, what)
 
-    def record(self, loss_sum: torch.Tensor, count: torch.Tensor | float) -> None:
-        """Keep one call's loss and count; a loss the schedule cannot back-propagate, or a count that is not
-        one number, raises GradaggError (the wrapped loss turns it into a failed microbatch)."""
+    def record(self, loss_sum: torch.Tensor, count: object) -> None:
+        """Keep one call's loss and count (taken now, as the accumulator takes a weight); a loss the schedule
+        cannot back-propagate, or a count that is not one real number, raises GradaggError (the wrapped loss
+        turns it into a failed microbatch). A count that cannot count (NaN, negative, ...) is named by
+        :meth:`keep`'s read, and the step refuses it on every rank."""
         if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or not loss_sum.requires_grad:
             shown = f"shape {tuple(loss_sum.shape)}, requires_grad={loss_sum.requires_grad}" if isinstance(
                 loss_sum, torch.Tensor) else type(loss_sum).__name__
             raise GradaggError(f"the loss must be a one-element tensor with a gradient, got {shown}")
-        try:
-            value = torch.as_tensor(count).detach().reshape(())
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise GradaggError(f"the count must be one number, got {first_line(exc)}") from None
-        # Kept as tensors: a .item() here would be one device-to-host sync per microbatch. A copy, always: a
-        # count tensor the loss function reuses and overwrites for the next microbatch must count the value it
-        # held when given (``.to(float64)`` of a float64 tensor, or ``reshape`` of one of shape (1,), is the same
-        # storage).
-        self._calls.append((loss_sum, value.to(torch.float64, copy=True)))
+        # A one-element tensor of any shape is its one number (a sum taken with keepdim=True); check_weight copies
+        # it: a count tensor the loss function reuses for the next microbatch counts the value it held here.
+        if isinstance(count, torch.Tensor) and count.numel() == 1:
+            count = count.reshape(())
+        self._calls.append((loss_sum, check_weight(count)))
 
     def keep(self, losses: list[torch.Tensor]) -> None:
-        """Keep the calls whose loss the schedule returned, in its microbatch order, and drop the rest.
+        """Keep the calls whose loss the schedule returned, in its microbatch order, drop the rest, and read the
+        counts kept (one device read on the last stage; none elsewhere).
 
         On its first step a ``PipelineStage`` built without ``input_args``/``output_args`` infers shapes
         by running the stage and the loss once on uninitialised tensors of the first microbatch's shape
@@ -72,11 +79,17 @@ class Counts:
         by_id = {id(loss): count for loss, count in self._calls}
         kept = [(loss, by_id[id(loss)]) for loss in losses if id(loss) in by_id]
         self.losses = [loss.detach().reshape(()).to(torch.float64) for loss, _ in kept]
-        self.tokens = [count for _, count in kept]
+        self.read = Tally([count for _, count in kept]).read()
         self.failed = [f"microbatch {k}: {self._failures[id(loss)][1]}" for k, loss in enumerate(losses)
                        if id(loss) in self._failures]  # the shape-inference call's failures are not kept
         self._calls.clear()
         self._failures.clear()
+
+    def problems(self) -> list[str]:
+        """What this rank could not count: each failed loss function call, then the first count that cannot count
+        (in the accumulator's words, :func:`~gradagg.torch.accumulate.counting.weight_problem`)."""
+        counts = [] if self.read.problem is None else [f"the loss function's counts: {self.read.problem}"]
+        return self.failed + counts
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,8 @@ class Totals:
 
     @property
     def divisor(self) -> float:
-        return float(sum(self.tokens))
+        """D: the replicas' counts summed exactly, rounded once (infinite beyond float64)."""
+        return weight_sum(list(self.tokens))
 
 
 def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], pp: Group, dp: Group) -> Totals:
@@ -108,39 +122,38 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
     buf[_FIELDS * slot:_FIELDS * (slot + 1)] = local.to(buf.device)
     buf[_FIELDS * width:] = torch.tensor([1.0 if p else 0.0 for p in present], dtype=torch.float64)
     all_reduce_sum(buf, dp)
-    table = buf[:_FIELDS * width].reshape(width, _FIELDS).tolist()  # the one read back of the step
-    col = list(zip(*table))
+    values = buf.tolist()  # the one read back of the collectives
+    col = list(zip(*(values[_FIELDS * r:_FIELDS * (r + 1)] for r in range(width))))
+
+    def ints(field: int) -> tuple[int, ...]:
+        return tuple(int(x) for x in col[field])
+
     return Totals(
-        tokens=tuple(col[0]), microbatches=tuple(int(x) for x in col[1]), padding=tuple(int(x) for x in col[2]),
-        lasts=tuple(int(x) for x in col[3]), loss=float(sum(col[4])), invalid=tuple(int(x) for x in col[5]),
-        stale=tuple(int(x) for x in col[6]), present=tuple(v != 0 for v in buf[_FIELDS * width:].tolist()),
-        failed=tuple(int(x) for x in col[7]),
+        tokens=tuple(col[TOKENS]), microbatches=ints(MICROBATCHES), padding=ints(PADDING), lasts=ints(LASTS),
+        loss=float(sum(col[LOSS])), invalid=ints(INVALID), stale=ints(STALE),
+        present=tuple(v != 0 for v in values[_FIELDS * width:]), failed=ints(FAILED),
     )
 
 
 def _local(counts: Counts, last: bool, stale: bool, device: torch.device) -> torch.Tensor:
     """This rank's slot: zeros but for the stale flag on a rank without the last stage."""
-    out = torch.zeros(_FIELDS, dtype=torch.float64, device=device)
-    out[6] = 1.0 if stale else 0.0
-    if not last:
-        return out
-    out[3] = 1.0
-    out[7] = float(len(counts.failed))
-    if not counts.tokens:
-        return out
-    c = torch.stack(counts.tokens).to(device)
-    valid = torch.isfinite(c) & (c >= 0)
-    # An invalid count (NaN, Inf, negative) is reported, never summed: NaN must not pass for a count.
-    out[0] = torch.where(valid, c, torch.zeros_like(c)).sum()
-    out[1] = float(len(counts.tokens))
-    out[2] = (c == 0).sum()
-    out[4] = torch.stack(counts.losses).to(device).sum()
-    out[5] = (~valid).sum()
-    return out
+    out = [0.0] * _FIELDS
+    out[STALE] = 1.0 if stale else 0.0
+    if last:
+        read = counts.read
+        out[LASTS] = 1.0
+        out[FAILED] = float(len(counts.failed))
+        out[MICROBATCHES] = float(len(read.values))
+        out[PADDING] = float(sum(v == 0 for v in read.values))
+        # A count that cannot count (NaN, Inf, negative) is named, never summed: NaN must not pass for a count.
+        out[INVALID] = 0.0 if read.problem is None else 1.0
+        out[TOKENS] = read.total if read.problem is None else 0.0
+    slot = torch.tensor(out, dtype=torch.float64, device=device)
+    if last and counts.losses:
+        slot[LOSS] = torch.stack(counts.losses).to(device).sum()  # on the device: no read here
+    return slot
 
 
 def local_tokens(counts: Counts, last: bool) -> tuple[float, ...] | None:
     """This rank's per-microbatch counts for the ledger (None: no last stage here, so nothing counted)."""
-    if not last:
-        return None
-    return tuple(torch.stack(counts.tokens).tolist()) if counts.tokens else ()
+    return counts.read.values if last else None
