@@ -84,6 +84,18 @@ def test_every_step_applies_the_global_token_mean(world: dict[str, Any], stage: 
 
 
 @pytest.mark.parametrize("stage", STAGES)
+def test_the_ledger_is_the_accumulators(world: dict[str, Any], stage: int) -> None:
+    """DeepSpeed's windows are counted by the accumulator's own window (the DeepSpeed wrapper behind the seam):
+    weighted, M over both ranks, and participation counted by its hooks, at most M per parameter, every parameter
+    that a microbatch reached counted at least once."""
+    for r in world["raw"]:
+        for window in r[f"exact/{stage}/0.0"]["counted"]:
+            seen = window["participation"].values()
+            assert window["weighting"] == "weighted" and window["m"] > 0, window
+            assert seen and max(seen) <= window["m"] and max(seen) > 0, window
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_deepspeeds_own_recipe_is_not_the_token_mean(world: dict[str, Any], stage: int) -> None:
     """engine.backward(mean loss), gradient_accumulation_steps 3, even counts: the mean of microbatch means
     divided by 3 (the short window of 2 too). The README's table reads these errors."""
@@ -126,9 +138,9 @@ def test_a_bad_weight_on_one_rank_raises_on_every_rank(world: dict[str, Any]) ->
     [
         ("outside", "rank 1 poisoned (a backward ran outside microbatch()"),
         ("raised", "rank 1 poisoned (a microbatch raised"),
-        ("mixed", "weighted and unweighted microbatches mixed (1 of 2 weighted)"),
-        ("zero", "the total weight is 0.0"),
-        ("empty", "no microbatch ran on any rank"),
+        ("mixed", "ranks counted their microbatches differently (rank 0 weighted; rank 1 unweighted)"),
+        ("zero", "the total weight of the window is 0"),
+        ("empty", "no microbatch run on any rank (M = 0)"),
     ],
 )
 def test_a_refused_window_raises_on_every_rank(world: dict[str, Any], case: str, fragment: str) -> None:

@@ -13,17 +13,19 @@ the accumulator returned here a loop back-propagates each microbatch's *summed* 
                 engine.backward(loss_sum(engine, batch))
         engine.step()                             # one optimizer step per window, on every rank
 
-What it does, and why:
+It is a :class:`~gradagg.torch.MicrobatchAccumulator` on the engine's module whose wrapper is DeepSpeed's
+(:mod:`gradagg.torch.accumulate.wrappers.deepspeed`): the counting, the refusals and the :class:`Ledger` are the
+accumulator's, and DeepSpeed reduces the gradients. What it does, and why:
 
-* **the window** is what runs between two ``engine.step()`` calls. It is one ``engine.coalesce_grad_reduction()``
-  block (DeepSpeed's public context: every backward inside keeps its gradient local, and the block's exit issues
-  one reduction), opened by the first microbatch, or by ``engine.step()`` on a rank that ran none.
-* **the divisor**: at ``engine.step()``, before the block exits, one small all-reduce sums every rank's weight
-  and microbatch count, with a status, so that a bad weight on one rank raises on every rank. Every parameter
-  without a local gradient gets a zero one (every rank must hand DeepSpeed's reduction the same tensors, or
-  its collectives mismatch), every local gradient is multiplied by ``world / D``, and the block exits: DeepSpeed
-  averages over the data-parallel ranks, so the gradient its optimizer applies, after its own clipping, is the
-  sum over all microbatches divided by D, the total weight (M without weights).
+* **the window** is what runs between two ``engine.step()`` calls: one ``engine.coalesce_grad_reduction()`` block
+  (DeepSpeed's public context: every backward inside keeps its gradient local, and the block's exit issues one
+  reduction), opened by the first microbatch or backward, or by ``engine.step()`` on a rank that ran none.
+* **the divisor**: ``engine.step()`` runs ``finish()`` first: the counters' exchange (one small all-reduce, with
+  each rank's status, so that a bad weight on one rank raises on every rank), then every local gradient is
+  multiplied by ``world / D`` (zeros where a parameter has none) and the block exits: DeepSpeed's average, which
+  its optimizer applies after its own clipping, is the sum over all microbatches divided by D, the total weight
+  (M without weights). A refused window hands DeepSpeed zeros (its reduction still runs on every rank), is
+  dropped, and no step is taken.
 * **gradient_accumulation_steps must be 1**: DeepSpeed steps on every k-th ``engine.step()``; here the window is
   the accumulation, and a loop that still called ``engine.step()`` after every microbatch would silently take k
   times as many steps, so ``exact`` refuses it instead. Each ``engine.step()`` steps the optimizer exactly once.
@@ -37,8 +39,8 @@ microbatch poisons the window (``engine.step()`` then raises on every rank), and
 Accelerate's DeepSpeed plugin, ``acc = gradagg.integrations.accelerate.exact(accelerator, engine, optimizer)`` (this
 class on the engine ``accelerator.prepare`` returned), then ``with accelerator.accumulate(engine): with
 acc.microbatch(weight=n): accelerator.backward(loss_sum)``: Accelerate calls ``engine.step()`` inside the backward of
-its sync microbatch, which closes the window there; a Hugging Face ``Trainer`` with ``deepspeed=`` goes the same way
-under ``gradagg.integrations.transformers.exact(trainer)``.
+its sync microbatch, which ends that microbatch and closes the window there; a Hugging Face ``Trainer`` with
+``deepspeed=`` goes the same way under ``gradagg.integrations.transformers.exact(trainer)``.
 
 Memory: inside the window every rank holds the full local gradient of every parameter (DeepSpeed's coalesced
 reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition.
@@ -48,32 +50,26 @@ DeepSpeed is imported by the caller; this module does not import it.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from gradagg.errors import GradaggError, WindowError
+from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.accumulate import opening
 from gradagg.torch.accumulate.ledger import Ledger
-from gradagg.torch.accumulate.window import (
-    OK,
-    OUTSIDE,
-    RAISED,
-    STATUS_TEXT,
-    WEIGHT,
-    Weight,
-    check_weight,
-    weight_problem,
-    weight_sum,
-    weight_values,
-)
-from gradagg.torch.collectives import all_reduce_sum, get_rank, get_world_size
-
-_FIELDS = 4  # per rank in the window's collective: microbatches, total weight, weighted microbatches, status
+from gradagg.torch.accumulate.params import Params
+from gradagg.torch.accumulate.seam import Wrapper
+from gradagg.torch.accumulate.terms_after import Microbatch
+from gradagg.torch.accumulate.wrappers import Choice, Choose
+from gradagg.torch.accumulate.wrappers.deepspeed import DeepSpeedZero
+from gradagg.torch.accumulate.wrappers.fsdp import Mode
+from gradagg.torch.accumulate.wrappers.padding import Pad
+from gradagg.torch.collectives import Group, get_world_size
 
 
-class DeepSpeedAccumulator:
+class DeepSpeedAccumulator(MicrobatchAccumulator):
     """Windows of a DeepSpeed ZeRO engine whose divisor is counted on all ranks. Made by :func:`exact`."""
 
     def __init__(self, engine: Any) -> None:
@@ -91,70 +87,39 @@ class DeepSpeedAccumulator:
         if problem is not None:
             raise GradaggError(f"DeepSpeedAccumulator(engine): {problem}")
         self._engine = engine
-        self._block: contextlib.ExitStack | None = None
-        self._in_microbatch, self._touched = False, False
-        self._closed = 0  # windows closed so far
-        self._window_of_microbatch = 0
-        self._reset()
-        self._step: Callable[..., Any] = engine.step
-        self._backward: Callable[..., Any] = engine.backward
+        super().__init__(engine.module)
+        self._finished = False  # finish() ran and engine.step() has not yet
+        self._step: Any = engine.step
+        self._backward: Any = engine.backward
         engine.step, engine.backward = self._wrapped_step, self._wrapped_backward  # the instance's, see close()
-        self.ledger: Ledger | None = None
-        """What the last finished window counted (None before the first)."""
 
-    def _reset(self) -> None:
-        self._weights: list[Weight] = []
-        self._m = 0
-        self._weighted = 0
-        self._status, self._poison = OK, ""
-        self._finished = False
+    def _chooser(self, fsdp: Mode, pad: Pad) -> Choose:
+        engine = self._engine
+
+        def choose(params: Params, group: Group, span: Any) -> Choice:
+            def make() -> Wrapper:
+                return DeepSpeedZero(engine, len(params.tensors))
+
+            return Choice(group, span, make)
+
+        return choose
 
     @contextlib.contextmanager
-    def microbatch(self, weight: object = None) -> Iterator[None]:
+    def microbatch(self, weight: object = None, *, last: bool = False) -> Iterator[Microbatch]:
         """One microbatch: run its ``engine.backward(loss_sum)`` (the unscaled sum) inside the ``with``.
 
-        A microbatch that raises after its backward started poisons the window (``engine.step()`` then raises
-        on every rank); one that raises before (e.g. in the forward) is not counted.
-
-        Args:
-            weight: what it counts for in the divisor (e.g. its number of valid tokens): a non-negative number
-                or 0-dim tensor. Weight every microbatch of the window, on every rank, or none (D = M).
-
-        Returns:
-            A context manager.
+        As :meth:`MicrobatchAccumulator.microbatch <gradagg.torch.MicrobatchAccumulator.microbatch>`; ``engine.step()``
+        may run inside it after its backward (Accelerate's sync microbatch): the microbatch is then counted and the
+        window finished there.
 
         Raises:
             WindowError: nested microbatches, or a microbatch after ``finish()`` and before ``engine.step()``.
             GradaggError: a weight that is not a real number or 0-dim real tensor.
         """
-        if self._in_microbatch:
-            raise WindowError("acc.microbatch() entered inside another microbatch; microbatches do not nest")
         if self._finished:
             raise WindowError("acc.microbatch() after finish() and before engine.step()", remedy="call engine.step()")
-        value = None if weight is None else check_weight(weight)
-        self._open()
-        self._count(value, 1)  # counted now: Accelerate calls engine.step() inside the sync microbatch's backward
-        self._in_microbatch, self._touched, window = True, False, self._closed
-        self._window_of_microbatch = window
-        try:
-            yield
-        except BaseException:
-            if window == self._closed and self._touched:
-                self._fail(RAISED, f"microbatch {self._m - 1} raised after its backward started")
-            elif window == self._closed:
-                self._count(value, -1)  # raised before any gradient (e.g. in the forward): not counted
-            raise
-        finally:
-            self._in_microbatch = False
-
-    def _count(self, value: Weight | None, sign: int) -> None:
-        self._m += sign
-        if value is not None:
-            self._weighted += sign
-            if sign > 0:
-                self._weights.append(value)
-            else:
-                self._weights.pop()
+        with super().microbatch(weight, last=last) as mb:
+            yield mb
 
     def finish(self) -> Ledger:
         """Close the window on every rank: count, divide, and let DeepSpeed reduce. ``engine.step()`` calls it.
@@ -165,29 +130,26 @@ class DeepSpeedAccumulator:
         Raises:
             WindowError: on every rank, naming the rank(s): an invalid weight, a poisoned window, weighted and
                 unweighted microbatches mixed, no microbatch on any rank, or a total weight of 0. The window is
-                dropped (its gradients zeroed, DeepSpeed's reduction run on zeros) and no step is taken.
+                dropped (DeepSpeed's reduction run on zeros) and no step is taken.
             CollectiveError: a rank did not reach the window's collective within the group's timeout.
         """
-        if self._finished and self.ledger is not None:
-            return self.ledger
-        self._open()  # a rank that ran no microbatch takes part in the reduction too
-        problem = weight_problem(self._weights, weight_values(self._weights))
-        if problem is not None:
-            self._fail(WEIGHT, problem)
-        per_rank = self._exchange()
+        last = self._state.last
+        if self._finished and last is not None:
+            return last
+        if self._state.window.in_microbatch:
+            self._end_microbatch()  # Accelerate's engine.step() inside the sync microbatch, after its backward
         try:
-            divisor = _divisor(per_rank, get_rank(), self._poison)
+            ledger = super().finish()
         except WindowError:
-            self._close(0.0)
-            self._reset()
-            self._closed += 1
+            self.discard()  # DeepSpeed's block exits on zeros, on every rank: its reduction still runs
             raise
-        self._close(get_world_size() / divisor)
-        self.ledger = self._ledger(per_rank, divisor)
-        self._reset()
-        self._closed += 1
         self._finished = True
-        return self.ledger
+        return ledger
+
+    @property
+    def ledger(self) -> Ledger | None:  # type: ignore[override]
+        """What the last finished window counted (None before the first)."""
+        return self._state.last
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """``engine.step()``: finish the window, then DeepSpeed's step (clipping, optimizer, scheduler)."""
@@ -199,10 +161,11 @@ class DeepSpeedAccumulator:
         Raises:
             WindowError: a window is open; finish it with ``engine.step()`` first.
         """
-        if self._block is not None:
+        if self._state.window.open and not self._state.closed:
             raise WindowError("close() with a window open", remedy="call engine.step() on every rank first")
         for name in ("step", "backward"):
             self._engine.__dict__.pop(name, None)
+        super().close()
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._finished:
@@ -215,97 +178,12 @@ class DeepSpeedAccumulator:
         return self._step(*args, **kwargs)
 
     def _wrapped_backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
-        """DeepSpeed's backward, never divided by ``gradient_accumulation_steps`` (the window divides, once)."""
-        self._open()
-        if not self._in_microbatch:
-            self._fail(OUTSIDE, "engine.backward() ran outside acc.microbatch()")
-        elif self._window_of_microbatch != self._closed:
-            self._fail(OUTSIDE, "engine.backward() ran in a microbatch whose window engine.step() had closed")
-        self._touched = True
+        """DeepSpeed's backward, never divided by ``gradient_accumulation_steps`` (the window divides, once), always
+        inside the window's block (a backward outside a microbatch is then refused by the accumulator's hooks)."""
+        st = self._open_state()
+        if not st.window.open:
+            opening.open_window(st)
         return self._backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-
-    def _fail(self, code: int, why: str) -> None:
-        if self._status == OK:
-            self._status, self._poison = code, why
-
-    def _open(self) -> None:
-        if self._block is None:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self._engine.coalesce_grad_reduction())
-            self._block = stack
-
-    def _exchange(self) -> list[list[float]]:
-        """Every rank's (microbatches, weight, weighted microbatches, status), in one float64 all-reduce."""
-        world, rank = get_world_size(), get_rank()
-        counters = torch.zeros(world * _FIELDS, dtype=torch.float64)
-        mine = [self._m, weight_sum(weight_values(self._weights)), self._weighted, self._status]
-        if self._status != OK:
-            mine[1] = 0.0  # an invalid weight travels as the status; NaN here would hide the other ranks' sums
-        counters[rank * _FIELDS:(rank + 1) * _FIELDS] = torch.tensor(mine, dtype=torch.float64)
-        values = all_reduce_sum(counters).tolist()
-        return [values[r * _FIELDS:(r + 1) * _FIELDS] for r in range(world)]
-
-    def _close(self, factor: float) -> None:
-        """Hand DeepSpeed the same tensors on every rank, scaled by ``factor`` (0: a refused window), then reduce."""
-        for p in self._engine.module.parameters():
-            if p.requires_grad:
-                _scale_or_fill(p, factor)
-        block, self._block = self._block, None
-        if block is not None:
-            block.close()  # DeepSpeed's flush: its one reduction of the window, averaged over the ranks
-
-    def _ledger(self, per_rank: list[list[float]], divisor: float) -> Ledger:
-        rank, weighted = get_rank(), any(r[2] for r in per_rank)
-        return Ledger(
-            rank=rank, world_size=len(per_rank), microbatches_local=int(per_rank[rank][0]),
-            microbatches_global=int(sum(r[0] for r in per_rank)),
-            microbatches_per_rank=tuple(int(r[0]) for r in per_rank), divisor=divisor,
-            participation_local={}, participation_global=None,
-            weighting="weighted" if weighted else "unweighted",
-            weight_local=per_rank[rank][1] if weighted else None,
-            weight_per_rank=tuple(r[1] for r in per_rank) if weighted else None,
-            weight_global=divisor if weighted else None,
-        )
-
-
-def _scale_or_fill(p: torch.nn.Parameter, factor: float) -> None:
-    """Multiply ``p``'s local gradient by ``factor``; give it a zero one when it has none.
-
-    Under ZeRO-3 a parameter between forwards holds an empty partition, while its gradient has the full shape
-    (``ds_shape``, DeepSpeed's attribute): torch's ``.grad`` setter refuses a gradient of another shape, so the
-    zeros go in through ``.data``, as DeepSpeed's own stage 3 does.
-    """
-    if p.grad is not None:
-        if factor == 0:
-            p.grad.zero_()
-        else:
-            p.grad.mul_(factor)
-        return
-    shape = tuple(getattr(p, "ds_shape", p.shape))
-    zeros = torch.zeros(shape, dtype=p.dtype, device=p.device)
-    if tuple(p.shape) == shape:
-        p.grad = zeros
-    else:
-        p.grad = torch.zeros_like(p)
-        p.grad.data = zeros
-
-
-def _divisor(per_rank: list[list[float]], rank: int, poison: str) -> float:
-    """D from every rank's counters (the same on every rank), or a WindowError naming the ranks."""
-    bad = [f"rank {r} {STATUS_TEXT.get(int(c[3]), f'failed (status {int(c[3])})')}"
-           for r, c in enumerate(per_rank) if c[3] != OK]
-    m, weighted = sum(c[0] for c in per_rank), sum(c[2] for c in per_rank)
-    if not bad and 0 < weighted < m:
-        bad.append(f"weighted and unweighted microbatches mixed ({int(weighted)} of {int(m)} weighted)")
-    if not bad and m == 0:
-        bad.append("no microbatch ran on any rank (M = 0): there is no mean to take")
-    divisor = weight_sum([c[1] for c in per_rank]) if weighted else m
-    if not bad and not (0 < divisor < math.inf):
-        bad.append(f"the total weight is {divisor!r} (per rank: {[c[1] for c in per_rank]}): no mean to take")
-    if bad:
-        here = f" (here: {poison})" if poison else ""
-        raise WindowError(f"rank {rank}: the window is refused on every rank and no step taken: {'; '.join(bad)}{here}")
-    return divisor
 
 
 def exact(engine: Any) -> DeepSpeedAccumulator:

@@ -163,7 +163,7 @@ def _case(loop: str, stage: int, clip: float, seed: int) -> dict[str, Any]:
     extra = loop != "native" and stage != 3
     engine = _engine(stage, clip, steps=3 if loop == "native" else 1)
     acc = None if loop == "native" else exact(engine)
-    errors, norms, ledgers = [], [], []
+    errors, norms, ledgers, counted = [], [], [], []
     for window, per_rank in enumerate(plan):
         before = full(engine)
         truth = _truth(before, per_rank, window, 0.0, extra)
@@ -172,12 +172,16 @@ def _case(loop: str, stage: int, clip: float, seed: int) -> dict[str, Any]:
         if acc is not None:
             _exact_window(engine, acc, per_rank, window, rank, extra, pad=stage == 3)
             ledgers.append(acc.ledger.divisor if acc.ledger else None)
+            if acc.ledger is not None:
+                counted.append({"m": acc.ledger.microbatches_global, "weighting": acc.ledger.weighting,
+                                "participation": dict(acc.ledger.participation_global or {})})
         else:
             _native_window(engine, per_rank[rank], window, rank)
         after = full(engine)
         applied = torch.cat([(before[n] - after[n]).flatten() for n in before]) / LR
         errors.append(float((applied - truth).norm() / truth.norm()))
-    return {"errors": errors, "global_steps": engine.global_steps, "true_norms": norms, "divisors": ledgers}
+    return {"errors": errors, "global_steps": engine.global_steps, "true_norms": norms, "divisors": ledgers,
+            "counted": counted}
 
 
 def _exact_window(engine: Any, acc: Any, per_rank: list[list[int]], window: int, rank: int, extra: bool,

@@ -22,7 +22,7 @@ from gradagg.torch.accumulate.params import ParamSource
 from gradagg.torch.accumulate.state import State, build
 from gradagg.torch.accumulate.terms_after import Microbatch
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
-from gradagg.torch.accumulate.wrappers import chooser
+from gradagg.torch.accumulate.wrappers import Choose, chooser
 from gradagg.torch.accumulate.wrappers.fsdp import Mode
 from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.collectives import Group
@@ -115,7 +115,7 @@ class MicrobatchAccumulator:
         pad: Pad = "replay",
         terms: Iterable[str] | None = None,
     ) -> None:
-        choose = chooser(fsdp, pad)  # plain, DDP or FSDP2's form: see gradagg.torch.accumulate.wrappers
+        choose = self._chooser(fsdp, pad)  # plain, DDP or FSDP2's form: see gradagg.torch.accumulate.wrappers
         self._state = build(module_or_params, group, check_nonfinite(nonfinite), bucket_mb, mesh, choose)
         try:
             self._state.terms = terms_after.check_names(terms, self._state)
@@ -126,6 +126,11 @@ class MicrobatchAccumulator:
         self._release = weakref.finalize(self, lifetime.release, self._state)
         self._release.atexit = False
         opening.install(self._state)
+
+    def _chooser(self, fsdp: Mode, pad: Pad) -> Choose:
+        """The wrapper's chooser (see :mod:`gradagg.torch.accumulate.wrappers`); a subclass for another wrapper
+        (DeepSpeed's, :mod:`gradagg.integrations.deepspeed`) returns its own."""
+        return chooser(fsdp, pad)
 
     # --- the window ----------------------------------------------------------------------------
 
@@ -179,22 +184,35 @@ class MicrobatchAccumulator:
             w.note_weighting(value)
         # with terms, no bucket leaves early: a term's divisor is known only when every count is in
         w.in_microbatch, w.seen, w.in_last = True, set(), early and not st.terms
+        w.running = value
         try:
             yield Microbatch(st, w.m)
-            hooks.take_hand_set(st)
+            if w.in_microbatch:  # (not ended early by _end_microbatch)
+                hooks.take_hand_set(st)
         except BaseException as exc:
-            if w.seen:
+            if w.seen and w.in_microbatch:
                 w.fail(RAISED, f"microbatch {w.m} raised {type(exc).__name__}: {exc} after gradients were accumulated")
             told = st.wrapper.explained(st, exc)  # FSDP2 shards: a collective broken by a padding rank, named
             if told is not exc:
                 raise told from exc
             raise
         else:
-            w.complete(value)
-            w.last_done = w.last_done or last
+            if w.in_microbatch:
+                w.complete(value)
+                w.last_done = w.last_done or last
         finally:
             w.in_microbatch = w.in_last = False
             st.wrapper.after_microbatch(st)
+
+    def _end_microbatch(self) -> None:
+        """Count the running microbatch now, its backward done, so that :meth:`finish` may run inside its ``with``
+        (Accelerate's DeepSpeed backward steps the engine there, see :mod:`gradagg.integrations.deepspeed`); the
+        ``with`` then counts nothing more."""
+        st = self._state
+        w = st.window
+        hooks.take_hand_set(st)
+        w.complete(w.running)
+        w.in_microbatch = w.in_last = False
 
     def microbatches(self, items: Iterable[T]) -> Iterator[T]:
         """Yield ``items`` with one item of look-ahead, so that the last one's microbatch is marked ``last``.

@@ -158,10 +158,11 @@ def _install(state: State, counts: Counts, divisor: float) -> None:
     if divisor != 1 and w.flat is not None:
         layout.divide(w.flat, w.out, divisor)
     for i, t in enumerate(state.tensors):
-        if counts.participation[i] == 0:
+        present = counts.participation[i] > 0
+        if i in state.sharded or i in state.external:
+            state.wrapper.hand_out(state, i, t, divisor, present)
+        elif not present:
             t.grad = None  # absent from every microbatch of every rank
-        elif i in state.sharded or i in state.external:
-            t.grad = state.wrapper.hand_out(state, i, t, divisor)
         elif w.flat is not None:
             view = layout.full_view(w.flat, i)
             same = layout.dtype == real_dtype(t.dtype) and t.device == layout.device

@@ -5,8 +5,8 @@ The accumulator's own modules (:mod:`.opening`, :mod:`.hooks`, :mod:`.finish`, t
 gradients into the flat buffer, exchange it and divide once, the same for every wrapper; where a wrapper differs
 they call the one object :attr:`State.wrapper <.state.State.wrapper>`, through the methods below, and never ask
 which wrapper it is. Each wrapper is one module of :mod:`.wrappers` (``plain``, ``ddp``, ``fsdp_window``,
-``fsdp_shards``); :func:`.wrappers.choose` picks it from the model, as einops' ``_backends`` picks a backend
-from a tensor. Adding a wrapper is writing one such module: a class with these methods (``Plain``'s do
+``fsdp_shards``, ``deepspeed``); :func:`.wrappers.chooser` picks it from the model, as einops' ``_backends`` picks
+a backend from a tensor. Adding a wrapper is writing one such module: a class with these methods (``Plain``'s do
 nothing, which is what a plain module needs) and a line in the chooser.
 
 The points where wrappers differ, in the order a window meets them:
@@ -45,7 +45,7 @@ class Wrapper(Protocol):
     """What a wrapper does at each point where wrappers differ (see the module docstring)."""
 
     name: str
-    """How messages and the ledger name it: ``"plain"``, ``"ddp"``, ``"fsdp window"``, ``"fsdp shards"``."""
+    """How messages name it: ``"plain"``, ``"ddp"``, ``"fsdp window"``, ``"fsdp shards"``, ``"deepspeed"``."""
     sharded: frozenset[int]
     """Parameters held as shards (FSDP2's DTensors): their gradient reaches the accumulator through another tensor."""
     external: frozenset[int]
@@ -91,8 +91,9 @@ class Wrapper(Protocol):
     def after_exchange(self, state: State) -> None:
         """``finish()``, after the exchange, before any refusal is raised: every rank is here."""
 
-    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float) -> torch.Tensor | None:
-        """Parameter ``i``'s reduced gradient divided by ``divisor``, for a sharded or external parameter."""
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
+        """Set ``t.grad`` (parameter ``i``, sharded or external) to its reduced gradient divided by ``divisor``
+        (``present``: some rank counted it; where none did, its gradient is None as a rule)."""
 
     def close(self, state: State) -> None:
         """``finish()`` handed every gradient out (FSDP2: reshard; DDP: its rank-local parameters divided)."""

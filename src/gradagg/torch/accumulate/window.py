@@ -76,6 +76,7 @@ class Window:
     into: Into | None = None  # the buffer the hook adds into: None is flat, the one path without terms
     term_sums: TermSums | None = None
     total: float | None = None  # the weights' sum, once settle_weights() read them
+    running: Weight | None = None  # the running microbatch's weight (see MicrobatchAccumulator._end_microbatch)
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params

@@ -3,7 +3,9 @@
 * :mod:`.plain`: a module or tensors (every other wrapper starts from it);
 * :mod:`.ddp`: ``DistributedDataParallel``, held in ``no_sync()``;
 * :mod:`.fsdp`: FSDP2's modules and shards (shared by both forms); :mod:`.fsdp_window`: ``fsdp="window"``;
-  :mod:`.fsdp_shards`: ``fsdp="shards"``, with its rounds and padding (:mod:`.padding`, :mod:`.pad_run`).
+  :mod:`.fsdp_shards`: ``fsdp="shards"``, with its rounds and padding (:mod:`.padding`, :mod:`.pad_run`);
+* :mod:`.deepspeed`: a DeepSpeed ZeRO engine, which reduces every gradient itself (chosen by
+  :class:`gradagg.integrations.deepspeed.DeepSpeedAccumulator`, not by :func:`chooser`: only the engine tells).
 
 The accumulator's own modules never import these: the public shell passes :func:`chooser`'s result to
 :func:`~gradagg.torch.accumulate.state.build`, and everything after calls the wrapper through the seam.

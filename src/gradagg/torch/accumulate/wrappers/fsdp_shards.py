@@ -128,17 +128,19 @@ class FsdpShards(FsdpWindow):
             for total in self.sums.values():
                 sender.finite &= all_finite(total)
 
-    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float) -> torch.Tensor | None:
-        """Parameter ``i``'s summed shards divided by D, as a DTensor gradient (None if none)."""
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
+        """Parameter ``i``'s summed shards divided by D, as a DTensor gradient (None if none, or absent everywhere:
+        FSDP reduce-scatters zeros for a parameter no microbatch used)."""
         total = self.sums.pop(i, None)
         if t.grad is not None:  # FSDP summed (some of) it into .grad itself: its hook did not run
             kept = local_tensor(t.grad)
             total = _wide(kept) if total is None else total.add_(kept.detach())
-        if total is None:
-            return None
+        if total is None or not present:
+            t.grad = None
+            return
         if divisor != 1:
             total.div_(divisor)
-        return self.side.sharded_grad(t, total)
+        t.grad = self.side.sharded_grad(t, total)
 
     def close(self, state: State) -> None:
         super().close(state)

@@ -70,9 +70,9 @@ class FsdpWindow(Plain):
             if state.tensors[i].grad is not None:
                 state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set on its shard in a window")
 
-    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float) -> torch.Tensor | None:
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
         out = state.window.out
-        return None if out is None else self.side.sharded_grad(t, state.layout().local_view(out, i))
+        t.grad = None if out is None or not present else self.side.sharded_grad(t, state.layout().local_view(out, i))
 
     def close(self, state: State) -> None:
         for t in self.unsharded.values():

@@ -62,7 +62,7 @@ class Plain:
     def after_exchange(self, state: State) -> None:
         return
 
-    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float) -> torch.Tensor | None:
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
         raise RuntimeError(f"internal error: {self.name} holds no sharded or external parameter ({state.names[i]!r})")
 
     def close(self, state: State) -> None:

@@ -1,0 +1,90 @@
+"""A DeepSpeed ZeRO engine (stages 1, 2 and 3): DeepSpeed reduces the window's gradients, the accumulator counts.
+
+DeepSpeed's ``engine.coalesce_grad_reduction()`` (public, 0.19+) keeps every backward's gradient local on the
+parameters and issues one reduction when its block exits, averaging over the data-parallel ranks. So a window is
+one such block, entered when the window opens: every parameter is *external* (DeepSpeed reduces it; the flat
+buffer carries the counters only), and the gradient hooks count participation without taking any gradient. At
+``finish()``, after the counters' exchange, each local gradient is multiplied by ``world / D`` (a parameter
+without one gets zeros: every rank must hand DeepSpeed's reduction the same tensors, or its collectives
+mismatch), and the block exits: DeepSpeed's average is then the sum over every microbatch of every rank / D.
+A dropped window hands DeepSpeed zeros and exits the block, so its reduction still runs on every rank.
+
+DeepSpeed is never imported here: the engine is the caller's (see :mod:`gradagg.integrations.deepspeed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.wrappers.plain import Plain
+
+
+class DeepSpeedZero(Plain):
+    """The :class:`~gradagg.torch.accumulate.seam.Wrapper` of a DeepSpeed ZeRO engine.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` with ZeRO stage 1, 2 or 3 (checked by the caller).
+        n_params: how many parameters the accumulator holds (all of them external).
+    """
+
+    name = "deepspeed"
+
+    def __init__(self, engine: Any, n_params: int) -> None:
+        super().__init__()
+        self.engine = engine
+        self.external = frozenset(range(n_params))
+        self.block: contextlib.ExitStack | None = None  # the window's coalesce_grad_reduction(), while open
+
+    def open(self, state: State) -> None:
+        if self.block is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.engine.coalesce_grad_reduction())
+            self.block = stack
+
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
+        _scale_or_fill(t, state.world / divisor)
+
+    def close(self, state: State) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            block.close()  # DeepSpeed's flush: its one reduction of the window, averaged over the ranks
+
+    def discard(self, state: State) -> None:
+        if self.block is None:
+            return
+        for t in state.tensors:
+            _scale_or_fill(t, 0.0)
+        self.close(state)
+
+    def refuses_terms(self) -> str | None:
+        return ("terms= with DeepSpeed: its reduction averages one gradient per parameter, so the terms' sums "
+                "cannot be kept apart")
+
+
+def _scale_or_fill(p: torch.Tensor, factor: float) -> None:
+    """Multiply ``p``'s local gradient by ``factor``; give it a zero one when it has none.
+
+    Under ZeRO-3 a parameter between forwards holds an empty partition, while its gradient has the full shape
+    (``ds_shape``, DeepSpeed's attribute): torch's ``.grad`` setter refuses a gradient of another shape, so the
+    zeros go in through ``.data``, as DeepSpeed's own stage 3 does.
+    """
+    if p.grad is not None:
+        if factor == 0:
+            p.grad.zero_()
+        else:
+            p.grad.mul_(factor)
+        return
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    zeros = torch.zeros(shape, dtype=p.dtype, device=p.device)
+    if tuple(p.shape) == shape:
+        p.grad = zeros
+    else:
+        p.grad = torch.zeros_like(p)
+        p.grad.data = zeros
+
+
+__all__ = ["DeepSpeedZero"]
