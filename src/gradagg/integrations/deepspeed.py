@@ -60,9 +60,8 @@ from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.accumulate import opening
 from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params
-from gradagg.torch.accumulate.seam import Wrapper
+from gradagg.torch.accumulate.seam import Choice, Choose, Wrapper
 from gradagg.torch.accumulate.terms_after import Microbatch
-from gradagg.torch.accumulate.wrappers import Choice, Choose
 from gradagg.torch.accumulate.wrappers.deepspeed import DeepSpeedZero
 from gradagg.torch.accumulate.wrappers.fsdp import Mode
 from gradagg.torch.accumulate.wrappers.padding import Pad

@@ -27,7 +27,9 @@ buffer (under FSDP2, DTensor shards). Sums are in float32 at least (bf16 and fp1
 The modules, by composition around one :class:`~.state.State` passed explicitly (none reads another's
 private attributes); each imports only those listed before it:
 
-* :mod:`.ledger` (the report and the weighting codes), :mod:`.window` (one window's counters and buffers),
+* :mod:`.ledger` (the report and the weighting codes), :mod:`.counting` (the weight rules: a count taken, read
+  once, refused in the same words, summed exactly; shared with :mod:`gradagg.torch.pipeline`), :mod:`.window` (one
+  window's counters and buffers),
   :mod:`.params` (which parameters), :mod:`.flat` (the buffer's layout), :mod:`.buckets` (sending),
   :mod:`.lifetime` (one live accumulator per parameter, released when dropped, the same identity on every rank),
   :mod:`.meshes` (the group read from a device mesh: its data dims, dp x cp, not tp), :mod:`.seam` (the

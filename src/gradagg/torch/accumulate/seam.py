@@ -30,13 +30,16 @@ Every method is called on every rank at the same point of the window, so a wrapp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Groups
+    from gradagg.torch.accumulate.ledger import Span
+    from gradagg.torch.accumulate.params import Params
     from gradagg.torch.accumulate.state import State
     from gradagg.torch.collectives import Group
 
@@ -108,4 +111,19 @@ class Wrapper(Protocol):
         """Why loss terms counted as the window runs (``terms=``) cannot work here, or None."""
 
 
-__all__ = ["Wrapper"]
+@dataclass(frozen=True)
+class Choice:
+    """The wrapper chosen for some parameters, before it changes anything: the group it reduces over, the span, and
+    :attr:`make`, which builds it (configuring FSDP2's modules, entering DDP's ``no_sync()``)."""
+
+    group: Group
+    span: Span
+    make: Callable[[], Wrapper]
+
+
+Choose = Callable[["Params", "Group", "Span"], Choice]
+"""What :func:`~gradagg.torch.accumulate.state.build` calls to choose the parameters' wrapper (see
+:func:`gradagg.torch.accumulate.wrappers.chooser`)."""
+
+
+__all__ = ["Choice", "Choose", "Wrapper"]

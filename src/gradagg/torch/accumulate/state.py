@@ -11,7 +11,7 @@ holds only what every wrapper shares. The fixed part (parameters, group, wrapper
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,7 +22,7 @@ from gradagg.torch.accumulate.flat import FlatLayout, ParamSpec, buffer_dtype
 from gradagg.torch.accumulate.ledger import Ledger, Span
 from gradagg.torch.accumulate.meshes import span_of
 from gradagg.torch.accumulate.params import Params, ParamSource
-from gradagg.torch.accumulate.seam import Wrapper
+from gradagg.torch.accumulate.seam import Choose, Wrapper
 from gradagg.torch.accumulate.window import Window
 from gradagg.torch.buffers import ReusableBuffer
 from gradagg.torch.collectives import (
@@ -33,9 +33,6 @@ from gradagg.torch.collectives import (
     get_rank,
     get_world_size,
 )
-
-if TYPE_CHECKING:
-    from gradagg.torch.accumulate.wrappers import Choose
 
 _BYTES_PER_MB = 2**20
 

@@ -13,15 +13,14 @@ The accumulator's own modules never import these: the public shell passes :func:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from gradagg.errors import GradaggError
 from gradagg.torch.accumulate import lifetime
 from gradagg.torch.accumulate.ledger import Span
 from gradagg.torch.accumulate.meshes import check_fsdp_mesh
 from gradagg.torch.accumulate.params import Params
-from gradagg.torch.accumulate.seam import Wrapper
+from gradagg.torch.accumulate.seam import Choice, Choose, Wrapper
 from gradagg.torch.accumulate.wrappers.ddp import Ddp, DdpHold, ddp_group
 from gradagg.torch.accumulate.wrappers.fsdp import FsdpParams, Mode, check_mode
 from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
@@ -29,19 +28,6 @@ from gradagg.torch.accumulate.wrappers.fsdp_window import FsdpWindow
 from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.accumulate.wrappers.plain import Plain
 from gradagg.torch.collectives import Group, get_world_size
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The wrapper chosen for some parameters, before it changes anything: the group it reduces over, the span, and
-    :attr:`make`, which builds it (configuring FSDP2's modules, entering DDP's ``no_sync()``)."""
-
-    group: Group
-    span: Span
-    make: Callable[[], Wrapper]
-
-
-Choose = Callable[[Params, Group, Span], Choice]
 
 
 def chooser(fsdp: Mode, pad: Pad) -> Choose:
