@@ -82,8 +82,7 @@ def add_term(state: State, i: int, grad: torch.Tensor, into: Into) -> None:
 def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
     """The tensors whose ``.grad`` the accumulator takes (the parameters neither held as shards nor reduced by the
     wrapper, and the tensors the wrapper holds for them: FSDP2's unsharded ones) that hold one now."""
-    mine = [(i, t) for i, t in enumerate(state.tensors) if i not in state.sharded and state.takes(i)]
-    out = [(i, t) for i, t in mine if t.grad is not None]
+    out = [(i, t) for i, t in state.taken if t.grad is not None]
     return out + [(i, t) for i, t in state.wrapper.held().items() if state.takes(i) and t.grad is not None]
 
 

@@ -59,6 +59,7 @@ class State:
         next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
         sharded: the wrapper's parameters held as shards (read in every hook call: a set, computed once).
         external: those the wrapper reduces itself, whose buffer slot stays empty.
+        taken: ``(index, parameter)`` of the others, whose own ``.grad`` the hooks take into the buffer.
         padded_last: how many padding microbatches this rank ran in the last finished window (FSDP2's shards
             form pads a rank that ran out; 0 elsewhere).
         identity: ``(serial, fingerprint)``, the same on every rank for the same accumulator (see :func:`identify`);
@@ -104,6 +105,10 @@ class State:
     def __post_init__(self) -> None:
         self.sharded: frozenset[int] = self.wrapper.sharded
         self.external: frozenset[int] = self.wrapper.external
+        # the parameters whose own .grad the hooks take, read before and after every microbatch: listed once
+        self.taken: list[tuple[int, torch.Tensor]] = [
+            (i, t) for i, t in enumerate(self.tensors) if i not in self.sharded and i not in self.external
+        ]
 
     def label(self) -> str:
         """The accumulator as messages name it: ``accumulator #serial (built at site, over N parameters)``."""
