@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 # the counting rules, shared with the pipeline (gradagg.torch.pipeline); re-exported: importers keep their names
-from gradagg.torch.accumulate.counting import Weight, check_weight, weight_problem, weight_sum, weight_values
+from gradagg.torch.accumulate.counting import Tally, Weight, check_weight, weight_problem, weight_sum, weight_values
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, UNWEIGHTED, WEIGHTED
 
 if TYPE_CHECKING:
@@ -103,11 +103,10 @@ class Window:
 
     def settle_weights(self) -> None:
         """Read the weights once (one device read), fail the window for one that cannot count, keep their sum."""
-        values = weight_values(self.weights)
-        problem = weight_problem(self.weights, values)
-        if problem is not None:
-            self.fail(WEIGHT, problem)
-        self.total = weight_sum(values)
+        read = Tally(self.weights).read()  # the pipeline's counts are read by the same rule
+        if read.problem is not None:
+            self.fail(WEIGHT, read.problem)
+        self.total = read.total
 
     def weight_total(self) -> float:
         """This rank's total weight (infinite or NaN where a weight cannot count: its status says so)."""
