@@ -79,15 +79,23 @@ def step_acc(model: nn.Module, acc: MicrobatchAccumulator, data: list[tuple[torc
     acc.finish()
 
 
+CPU = "/cpu"  # the process's CPU seconds (all its threads) beside each wall time: other jobs' share of the cores
+# lengthens the wall time of whichever side they hit, not its CPU time
+
+
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Run the candidates alternately (A B A B ...) so that drift on a shared machine hits both alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    """Run the candidates alternately, the order reversed every other round (A B, B A, ...), so that drift on a
+    shared machine hits both alike and neither always runs right after the other (warm caches, a freshly freed
+    heap)."""
+    times: dict[str, list[float]] = {k: [] for k in fns} | {k + CPU: [] for k in fns}
     for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
+        for name, fn in list(fns.items())[:: -1 if i % 2 else 1]:
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
+            t1, c1 = time.perf_counter(), time.process_time()
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(t1 - t0)
+                times[name + CPU].append(c1 - c0)
     return times
 
 
@@ -317,19 +325,49 @@ def _ratios(times: dict[str, list[float]], name: str, base: str) -> str:
     return f"{statistics.median(a) / statistics.median(b):.3f} ({paired:.3f})"
 
 
-def table(single: dict[str, Any], ranks: dict[str, Any]) -> str:
-    st, rt, counts = single["times"], ranks["times"], ranks["counts"]
-    mb = ranks["numel"] * 4 / 1e6
+def _ms(ts: list[float]) -> str:
+    return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
 
-    def ms(ts: list[float]) -> str:
-        return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
+
+def single_rows(single: dict[str, Any]) -> list[tuple[str, ...]]:
+    st = single["times"]
+    return [
+        ("step, M = 8: hand-written (loss / M).backward()", _ms(st["hand"]), "1 (baseline)", "0 (one process)", "-"),
+        (
+            "step, M = 8: MicrobatchAccumulator",
+            _ms(st["acc"]),
+            _ratios(st, "acc", "hand"),
+            "0 (one process)",
+            "<= 1.05 (issue 4), <= 1.03 (issue 24)",
+        ),
+        (
+            "(the same two, CPU time of the process: hand-written, MicrobatchAccumulator)",
+            f"{_ms(st['hand' + CPU])}; {_ms(st['acc' + CPU])}",
+            _ratios(st, "acc" + CPU, "hand" + CPU),
+            "",
+            "",
+        ),
+    ]
+
+
+def table(single: dict[str, Any] | None, ranks: dict[str, Any] | None) -> str:
+    head = (
+        "| what | median | ratio of medians (median of paired ratios) | collectives per call | target |\n"
+        "|---|---:|---:|---|---|"
+    )
+    rows = (single_rows(single) if single else []) + (rank_rows(ranks) if ranks else [])
+    return head + "\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def rank_rows(ranks: dict[str, Any]) -> list[tuple[str, ...]]:
+    rt, counts = ranks["times"], ranks["counts"]
+    mb = ranks["numel"] * 4 / 1e6
+    ms = _ms
 
     def c(name: str) -> str:
         return ", ".join(f"{n} {op}" for op, n in counts[name].items())
 
-    rows = [
-        ("step, M = 8: hand-written (loss / M).backward()", ms(st["hand"]), "1 (baseline)", "0 (one process)", "-"),
-        ("step, M = 8: MicrobatchAccumulator", ms(st["acc"]), _ratios(st, "acc", "hand"), "0 (one process)", "<= 1.05"),
+    return [
         (f"2 gloo ranks: plain all_reduce, {mb:.1f} MB", ms(rt["plain"]), "1 (baseline)", "1 all_reduce", "-"),
         (
             "finish() (grads + M + participation + status)",
@@ -374,11 +412,6 @@ def table(single: dict[str, Any], ranks: dict[str, Any]) -> str:
             "1 scalar",
         ),
     ]
-    head = (
-        "| what | median | ratio of medians (median of paired ratios) | collectives per call | target |\n"
-        "|---|---:|---:|---|---|"
-    )
-    return head + "\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 NOTES = """
@@ -400,30 +433,42 @@ How to read it:
 """
 
 
+PARTS = ("single", "ranks", "ddp")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="training steps per variant (one process)")
+    parser.add_argument("--repeats", type=int, default=21, help="training steps per variant (one process)")
     parser.add_argument("--repeats-ranks", type=int, default=41, help="collective calls per variant (2 ranks)")
     parser.add_argument("--repeats-ddp", type=int, default=15, help="DDP training steps per variant (2 ranks)")
+    parser.add_argument(
+        "--only", choices=PARTS, action="append", help="run only this part (repeatable): the one-process step "
+        "(single), the collectives on 2 ranks (ranks), the DDP steps (ddp); default: all three"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 repeats of everything")
     parser.add_argument("--write", metavar="PATH", help="also write the table and the machine to this Markdown file")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = args.repeats_ranks = args.repeats_ddp = 2
+    parts = set(args.only or PARTS)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
-    single = bench_single(args.repeats)
+    single = bench_single(args.repeats) if "single" in parts else None
     world = {"collective_timeout_s": 60.0, "timeout_s": 1200.0, "preload": ["torch._dynamo"]}
-    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, **world)[0]
-    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, **world)[0]
-    text = (
-        f"{table(single, ranks)}\n\n{ddp_table(ddp)}\n\n"
-        f"Model: MLP {WIDTHS}, {single['params'] / 1e6:.2f} M parameters, float32; M = {M} microbatches of "
-        f"{MICROBATCH} samples; the one-process rows use {single['threads']} thread, each of the 2 gloo ranks 1 "
-        "thread.\n"
-        f"Medians of {args.repeats} (one process), {args.repeats_ranks} (2 ranks) and {args.repeats_ddp} (DDP steps) "
-        "interleaved repeats after 2 "
-        "warm-ups, min in brackets; the baseline and the candidate run "
-        f"back to back in each repeat. Machine: {machine()}; load average before the run: {load}.\n"
+    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, **world)[0] if "ranks" in parts else None
+    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, **world)[0] if "ddp" in parts else None
+    after = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    text = table(single, ranks) + "\n\n" if single or ranks else ""
+    text += f"{ddp_table(ddp)}\n\n" if ddp else ""
+    repeats = [f"{n} ({what})" for n, what, part in [
+        (args.repeats, "one process", "single"), (args.repeats_ranks, "2 ranks", "ranks"),
+        (args.repeats_ddp, "DDP steps", "ddp")] if part in parts]
+    text += (
+        f"Model: MLP {WIDTHS}, {sum(p.numel() for p in make_model().parameters()) / 1e6:.2f} M parameters, float32; "
+        f"M = {M} microbatches of {MICROBATCH} samples; the one-process rows use 1 thread, each of the 2 gloo "
+        "ranks 1 thread.\n"
+        f"Medians of {', '.join(repeats)} interleaved repeats after 2 warm-ups, min in brackets; the baseline and "
+        "the candidates run back to back in each repeat, in reversed order every other repeat. "
+        f"Machine: {machine()}; load average before the run: {load}, after it: {after}.\n"
     )
     text += NOTES
     print(text)
