@@ -99,6 +99,25 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 
     return times
 
 
+def malloc_keeps_memory() -> bool:
+    """glibc: serve allocations up to 32 MiB (its largest mmap threshold) from the heap and never trim it.
+
+    By default glibc maps a freed gradient-sized block back to the system, and the next tensor of that size is
+    page-faulted in anew: how many faults a step takes depends on the allocator's history (seen from a few
+    hundred to 20,000 a step, on either side), which moved these medians by more than the overhead measured.
+    With the memory kept, a step after the warm-up faults in no page, and the two sides differ by the work
+    they do. Returns whether glibc accepted both settings (False elsewhere: the default allocator is measured).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def bench_single(repeats: int) -> dict[str, Any]:
     # One thread: on 2 cores shared with other jobs, a 2-thread op waits for its slower thread whenever
     # a core is taken, and medians were seen to vary 4x between runs; 1 thread varied by a few percent.
@@ -144,7 +163,9 @@ def _fill_grads(model: nn.Module, acc: MicrobatchAccumulator) -> None:
         sum(p.sum() for p in model.parameters()).backward()  # type: ignore[union-attr]
 
 
-def rank_bench(repeats: int) -> dict[str, Any]:
+def rank_bench(repeats: int, keep: bool = False) -> dict[str, Any]:
+    if keep:
+        malloc_keeps_memory()
     model = make_model()
     params = dict(model.named_parameters())
     numel = sum(p.numel() for p in params.values())
@@ -199,8 +220,10 @@ def rank_bench(repeats: int) -> dict[str, Any]:
 # --- DDP with its overlap (this function runs in each rank) ----------------------------------------------
 
 
-def ddp_bench(repeats: int) -> dict[str, Any]:
+def ddp_bench(repeats: int, keep: bool = False) -> dict[str, Any]:
     """A whole step under DDP: plain no_sync + loss / M against the accumulator (look-ahead: overlap kept)."""
+    if keep:
+        malloc_keeps_memory()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -445,17 +468,22 @@ def main(argv: list[str] | None = None) -> int:
         "--only", choices=PARTS, action="append", help="run only this part (repeatable): the one-process step "
         "(single), the collectives on 2 ranks (ranks), the DDP steps (ddp); default: all three"
     )
+    parser.add_argument(
+        "--allocator", choices=("default", "keep"), default="default", help="keep: glibc keeps freed memory "
+        "(mallopt, in every process), so no step page-faults its tensors in anew; default: as a user runs"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 repeats of everything")
     parser.add_argument("--write", metavar="PATH", help="also write the table and the machine to this Markdown file")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = args.repeats_ranks = args.repeats_ddp = 2
     parts = set(args.only or PARTS)
+    keep = args.allocator == "keep" and malloc_keeps_memory()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
     single = bench_single(args.repeats) if "single" in parts else None
     world = {"collective_timeout_s": 60.0, "timeout_s": 1200.0, "preload": ["torch._dynamo"]}
-    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, **world)[0] if "ranks" in parts else None
-    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, **world)[0] if "ddp" in parts else None
+    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, keep, **world)[0] if "ranks" in parts else None
+    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, keep, **world)[0] if "ddp" in parts else None
     after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     text = table(single, ranks) + "\n\n" if single or ranks else ""
     text += f"{ddp_table(ddp)}\n\n" if ddp else ""
@@ -468,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks 1 thread.\n"
         f"Medians of {', '.join(repeats)} interleaved repeats after 2 warm-ups, min in brackets; the baseline and "
         "the candidates run back to back in each repeat, in reversed order every other repeat. "
+        f"Allocator: {'glibc keeping freed memory (--allocator keep)' if keep else 'default'}. "
         f"Machine: {machine()}; load average before the run: {load}, after it: {after}.\n"
     )
     text += NOTES
