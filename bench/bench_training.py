@@ -4,7 +4,7 @@ One run measures, side by side (interleaved, medians):
 
 1. one process: a training step's accumulation (zero_grad, M = 8 microbatches forward/backward, grads
    ready) with MicrobatchAccumulator against the hand-written ``(loss / M).backward()`` loop, on an MLP
-   of about 10^7 parameters. Target: at most 5% slower.
+   of about 10^7 parameters. Target: at most 5% slower (issue 4), at most 3% (issue 24).
 2. two gloo processes on loopback: ``finish()`` and ``owner_reduce`` against one plain ``all_reduce`` of
    the same bytes. Target: at most 1.2x. Collectives per call counted (targets: 1, 1, and 1 scalar for
    ``grad_norm``; ownership verification is a separate, once-per-declaration collective).
@@ -15,7 +15,8 @@ One run measures, side by side (interleaved, medians):
    gradients, divided by the global count). Target (issue 24): at most 1.03x.
 
 Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write PATH]``
-(``--quick`` for a smoke run); bench/RESULTS.md records a run.
+(``--quick`` for a smoke run, ``--only single|ranks|ddp`` for one part, ``--allocator keep`` to time the work
+without glibc's page faults); bench/RESULTS.md records runs.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 
     """Run the candidates alternately, the order reversed every other round (A B, B A, ...), so that drift on a
     shared machine hits both alike and neither always runs right after the other (warm caches, a freshly freed
     heap)."""
-    times: dict[str, list[float]] = {k: [] for k in fns} | {k + CPU: [] for k in fns}
+    times: dict[str, list[float]] = {k + suffix: [] for k in fns for suffix in ("", CPU)}
     for i in range(warmup + repeats):
         for name, fn in list(fns.items())[:: -1 if i % 2 else 1]:
             c0, t0 = time.process_time(), time.perf_counter()
@@ -440,8 +441,11 @@ def rank_rows(ranks: dict[str, Any]) -> list[tuple[str, ...]]:
 NOTES = """
 How to read it:
 - The one-process rows compare whole accumulation steps (zero_grad, 8 forward/backward, gradients ready).
-  The accumulator adds a post-accumulate-grad hook call per parameter and microbatch and one division
-  pass at finish(); the hand-written loop scales each loss instead.
+  The accumulator adds a post-accumulate-grad hook call per parameter and microbatch, copies each
+  parameter's first gradient of the window into its buffer (autograd hands the loop by hand its first
+  gradient as .grad without a copy) and divides once at finish(); the hand-written loop scales each loss
+  instead. The CPU-time row is the process's own CPU seconds: other jobs on the cores lengthen the wall
+  time of whichever side they hit.
 - finish() is one all_reduce per 25 MB bucket of a buffer the gradients were added into by the hooks
   (no copy out: .grad are views) plus one division pass by the counted divisor.
 - The DDP rows: the accumulator keeps DDP in no_sync() and sends its own buckets (one collective each,
