@@ -435,6 +435,13 @@ def rank_rows(ranks: dict[str, Any]) -> list[tuple[str, ...]]:
             c("grad_norm"),
             "1 scalar",
         ),
+        (
+            "(owner_reduce balanced, rank 0 owns all: rank 0's CPU time against the plain all_reduce's)",
+            f"{ms(rt['plain' + CPU])}; {ms(rt['owner_balanced' + CPU])}; {ms(rt['owner_skewed' + CPU])}",
+            f"{_ratios(rt, 'owner_balanced' + CPU, 'plain' + CPU)}; {_ratios(rt, 'owner_skewed' + CPU, 'plain' + CPU)}",
+            "",
+            "",
+        ),
     ]
 
 
