@@ -271,17 +271,7 @@ class FlatLayout:
         tensor([[2., 2.],
                 [2., 2.]])
         """
-        direct = self._direct[i]
-        if (
-            direct is not None
-            and type(grad) is torch.Tensor  # not a DTensor or another subclass: those take the general path
-            and grad.dtype == self.dtype
-            and grad.device == flat.device
-            and grad.shape == self.slots[i].shape  # the strides are the slot's: another shape, the general path
-            and flat.is_contiguous()
-        ):
-            dest = flat.as_strided(grad.shape, direct[1], flat.storage_offset() + direct[0])
-            dest.copy_(grad) if first else dest.add_(grad)
+        if self._add_direct(flat, i, grad, first):
             return
         s = self.slots[i]
         grad = local_tensor(grad)  # torchtitan's full_dtensor: the unsharded gradient is a Replicate() DTensor
@@ -299,6 +289,22 @@ class FlatLayout:
         rest = src.numel() - full * width
         if rest:
             seg[full, s.offset : s.offset + rest].add_(src[full * width :])
+
+    def _add_direct(self, flat: torch.Tensor, i: int, grad: torch.Tensor, first: bool) -> bool:
+        """:meth:`add` of a plain gradient into a real all_reduce slot, in the buffer's dtype and device, or False."""
+        direct = self._direct[i]
+        if (
+            direct is None
+            or type(grad) is not torch.Tensor  # a DTensor or another subclass: the general path
+            or grad.dtype != self.dtype
+            or grad.device != flat.device
+            or grad.shape != self.slots[i].shape  # the strides are the slot's
+            or not flat.is_contiguous()
+        ):
+            return False
+        dest = flat.as_strided(grad.shape, direct[1], flat.storage_offset() + direct[0])
+        dest.copy_(grad) if first else dest.add_(grad)
+        return True
 
     def full_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s whole reduced gradient (all_reduce kind), a view of ``flat``."""
