@@ -4,7 +4,7 @@ One run measures, side by side (interleaved, medians):
 
 1. one process: a training step's accumulation (zero_grad, M = 8 microbatches forward/backward, grads
    ready) with MicrobatchAccumulator against the hand-written ``(loss / M).backward()`` loop, on an MLP
-   of about 10^7 parameters. Target: at most 5% slower.
+   of about 10^7 parameters. Target: at most 5% slower (issue 4), at most 3% (issue 24).
 2. two gloo processes on loopback: ``finish()`` and ``owner_reduce`` against one plain ``all_reduce`` of
    the same bytes. Target: at most 1.2x. Collectives per call counted (targets: 1, 1, and 1 scalar for
    ``grad_norm``; ownership verification is a separate, once-per-declaration collective).
@@ -15,7 +15,8 @@ One run measures, side by side (interleaved, medians):
    gradients, divided by the global count). Target (issue 24): at most 1.03x.
 
 Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_training.py [--write PATH]``
-(``--quick`` for a smoke run); bench/RESULTS.md records a run.
+(``--quick`` for a smoke run, ``--only single|ranks|ddp`` for one part, ``--allocator keep`` to time the work
+without glibc's page faults); bench/RESULTS.md records runs.
 """
 
 from __future__ import annotations
@@ -79,16 +80,43 @@ def step_acc(model: nn.Module, acc: MicrobatchAccumulator, data: list[tuple[torc
     acc.finish()
 
 
+CPU = "/cpu"  # the process's CPU seconds (all its threads) beside each wall time: other jobs' share of the cores
+# lengthens the wall time of whichever side they hit, not its CPU time
+
+
 def interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Run the candidates alternately (A B A B ...) so that drift on a shared machine hits both alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    """Run the candidates alternately, the order reversed every other round (A B, B A, ...), so that drift on a
+    shared machine hits both alike and neither always runs right after the other (warm caches, a freshly freed
+    heap)."""
+    times: dict[str, list[float]] = {k + suffix: [] for k in fns for suffix in ("", CPU)}
     for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
+        for name, fn in list(fns.items())[:: -1 if i % 2 else 1]:
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
+            t1, c1 = time.perf_counter(), time.process_time()
             if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(t1 - t0)
+                times[name + CPU].append(c1 - c0)
     return times
+
+
+def malloc_keeps_memory() -> bool:
+    """glibc: serve allocations up to 32 MiB (its largest mmap threshold) from the heap and never trim it.
+
+    By default glibc maps a freed gradient-sized block back to the system, and the next tensor of that size is
+    page-faulted in anew: how many faults a step takes depends on the allocator's history (seen from a few
+    hundred to 20,000 a step, on either side), which moved these medians by more than the overhead measured.
+    With the memory kept, a step after the warm-up faults in no page, and the two sides differ by the work
+    they do. Returns whether glibc accepted both settings (False elsewhere: the default allocator is measured).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def bench_single(repeats: int) -> dict[str, Any]:
@@ -136,7 +164,9 @@ def _fill_grads(model: nn.Module, acc: MicrobatchAccumulator) -> None:
         sum(p.sum() for p in model.parameters()).backward()  # type: ignore[union-attr]
 
 
-def rank_bench(repeats: int) -> dict[str, Any]:
+def rank_bench(repeats: int, keep: bool = False) -> dict[str, Any]:
+    if keep:
+        malloc_keeps_memory()
     model = make_model()
     params = dict(model.named_parameters())
     numel = sum(p.numel() for p in params.values())
@@ -191,8 +221,10 @@ def rank_bench(repeats: int) -> dict[str, Any]:
 # --- DDP with its overlap (this function runs in each rank) ----------------------------------------------
 
 
-def ddp_bench(repeats: int) -> dict[str, Any]:
+def ddp_bench(repeats: int, keep: bool = False) -> dict[str, Any]:
     """A whole step under DDP: plain no_sync + loss / M against the accumulator (look-ahead: overlap kept)."""
+    if keep:
+        malloc_keeps_memory()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -317,19 +349,49 @@ def _ratios(times: dict[str, list[float]], name: str, base: str) -> str:
     return f"{statistics.median(a) / statistics.median(b):.3f} ({paired:.3f})"
 
 
-def table(single: dict[str, Any], ranks: dict[str, Any]) -> str:
-    st, rt, counts = single["times"], ranks["times"], ranks["counts"]
-    mb = ranks["numel"] * 4 / 1e6
+def _ms(ts: list[float]) -> str:
+    return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
 
-    def ms(ts: list[float]) -> str:
-        return f"{statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f})"
+
+def single_rows(single: dict[str, Any]) -> list[tuple[str, ...]]:
+    st = single["times"]
+    return [
+        ("step, M = 8: hand-written (loss / M).backward()", _ms(st["hand"]), "1 (baseline)", "0 (one process)", "-"),
+        (
+            "step, M = 8: MicrobatchAccumulator",
+            _ms(st["acc"]),
+            _ratios(st, "acc", "hand"),
+            "0 (one process)",
+            "<= 1.05 (issue 4), <= 1.03 (issue 24)",
+        ),
+        (
+            "(the same two, CPU time of the process: hand-written, MicrobatchAccumulator)",
+            f"{_ms(st['hand' + CPU])}; {_ms(st['acc' + CPU])}",
+            _ratios(st, "acc" + CPU, "hand" + CPU),
+            "",
+            "",
+        ),
+    ]
+
+
+def table(single: dict[str, Any] | None, ranks: dict[str, Any] | None) -> str:
+    head = (
+        "| what | median | ratio of medians (median of paired ratios) | collectives per call | target |\n"
+        "|---|---:|---:|---|---|"
+    )
+    rows = (single_rows(single) if single else []) + (rank_rows(ranks) if ranks else [])
+    return head + "\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def rank_rows(ranks: dict[str, Any]) -> list[tuple[str, ...]]:
+    rt, counts = ranks["times"], ranks["counts"]
+    mb = ranks["numel"] * 4 / 1e6
+    ms = _ms
 
     def c(name: str) -> str:
         return ", ".join(f"{n} {op}" for op, n in counts[name].items())
 
-    rows = [
-        ("step, M = 8: hand-written (loss / M).backward()", ms(st["hand"]), "1 (baseline)", "0 (one process)", "-"),
-        ("step, M = 8: MicrobatchAccumulator", ms(st["acc"]), _ratios(st, "acc", "hand"), "0 (one process)", "<= 1.05"),
+    return [
         (f"2 gloo ranks: plain all_reduce, {mb:.1f} MB", ms(rt["plain"]), "1 (baseline)", "1 all_reduce", "-"),
         (
             "finish() (grads + M + participation + status)",
@@ -373,19 +435,24 @@ def table(single: dict[str, Any], ranks: dict[str, Any]) -> str:
             c("grad_norm"),
             "1 scalar",
         ),
+        (
+            "(owner_reduce balanced, rank 0 owns all: rank 0's CPU time against the plain all_reduce's)",
+            f"{ms(rt['plain' + CPU])}; {ms(rt['owner_balanced' + CPU])}; {ms(rt['owner_skewed' + CPU])}",
+            f"{_ratios(rt, 'owner_balanced' + CPU, 'plain' + CPU)}; {_ratios(rt, 'owner_skewed' + CPU, 'plain' + CPU)}",
+            "",
+            "",
+        ),
     ]
-    head = (
-        "| what | median | ratio of medians (median of paired ratios) | collectives per call | target |\n"
-        "|---|---:|---:|---|---|"
-    )
-    return head + "\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 NOTES = """
 How to read it:
 - The one-process rows compare whole accumulation steps (zero_grad, 8 forward/backward, gradients ready).
-  The accumulator adds a post-accumulate-grad hook call per parameter and microbatch and one division
-  pass at finish(); the hand-written loop scales each loss instead.
+  The accumulator adds a post-accumulate-grad hook call per parameter and microbatch, copies each
+  parameter's first gradient of the window into its buffer (autograd hands the loop by hand its first
+  gradient as .grad without a copy) and divides once at finish(); the hand-written loop scales each loss
+  instead. The CPU-time row is the process's own CPU seconds: other jobs on the cores lengthen the wall
+  time of whichever side they hit.
 - finish() is one all_reduce per 25 MB bucket of a buffer the gradients were added into by the hooks
   (no copy out: .grad are views) plus one division pass by the counted divisor.
 - The DDP rows: the accumulator keeps DDP in no_sync() and sends its own buckets (one collective each,
@@ -400,30 +467,48 @@ How to read it:
 """
 
 
+PARTS = ("single", "ranks", "ddp")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="training steps per variant (one process)")
+    parser.add_argument("--repeats", type=int, default=21, help="training steps per variant (one process)")
     parser.add_argument("--repeats-ranks", type=int, default=41, help="collective calls per variant (2 ranks)")
     parser.add_argument("--repeats-ddp", type=int, default=15, help="DDP training steps per variant (2 ranks)")
+    parser.add_argument(
+        "--only", choices=PARTS, action="append", help="run only this part (repeatable): the one-process step "
+        "(single), the collectives on 2 ranks (ranks), the DDP steps (ddp); default: all three"
+    )
+    parser.add_argument(
+        "--allocator", choices=("default", "keep"), default="default", help="keep: glibc keeps freed memory "
+        "(mallopt, in every process), so no step page-faults its tensors in anew; default: as a user runs"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 repeats of everything")
     parser.add_argument("--write", metavar="PATH", help="also write the table and the machine to this Markdown file")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = args.repeats_ranks = args.repeats_ddp = 2
+    parts = set(args.only or PARTS)
+    keep = args.allocator == "keep" and malloc_keeps_memory()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
-    single = bench_single(args.repeats)
+    single = bench_single(args.repeats) if "single" in parts else None
     world = {"collective_timeout_s": 60.0, "timeout_s": 1200.0, "preload": ["torch._dynamo"]}
-    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, **world)[0]
-    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, **world)[0]
-    text = (
-        f"{table(single, ranks)}\n\n{ddp_table(ddp)}\n\n"
-        f"Model: MLP {WIDTHS}, {single['params'] / 1e6:.2f} M parameters, float32; M = {M} microbatches of "
-        f"{MICROBATCH} samples; the one-process rows use {single['threads']} thread, each of the 2 gloo ranks 1 "
-        "thread.\n"
-        f"Medians of {args.repeats} (one process), {args.repeats_ranks} (2 ranks) and {args.repeats_ddp} (DDP steps) "
-        "interleaved repeats after 2 "
-        "warm-ups, min in brackets; the baseline and the candidate run "
-        f"back to back in each repeat. Machine: {machine()}; load average before the run: {load}.\n"
+    ranks = run_local_world(rank_bench, 2, args.repeats_ranks, keep, **world)[0] if "ranks" in parts else None
+    ddp = run_local_world(ddp_bench, 2, args.repeats_ddp, keep, **world)[0] if "ddp" in parts else None
+    after = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    text = table(single, ranks) + "\n\n" if single or ranks else ""
+    text += f"{ddp_table(ddp)}\n\n" if ddp else ""
+    repeats = [f"{n} ({what})" for n, what, part in [
+        (args.repeats, "one process", "single"), (args.repeats_ranks, "2 ranks", "ranks"),
+        (args.repeats_ddp, "DDP steps", "ddp")] if part in parts]
+    text += (
+        f"Model: MLP {WIDTHS}, {sum(p.numel() for p in make_model().parameters()) / 1e6:.2f} M parameters, float32; "
+        f"M = {M} microbatches of {MICROBATCH} samples; the one-process rows use 1 thread, each of the 2 gloo "
+        "ranks 1 thread.\n"
+        f"Medians of {', '.join(repeats)} interleaved repeats after 2 warm-ups, min in brackets; the baseline and "
+        "the candidates run back to back in each repeat, in reversed order every other repeat. "
+        f"Allocator: {'glibc keeping freed memory (--allocator keep)' if keep else 'default'}. "
+        f"Machine: {machine()}; load average before the run: {load}, after it: {after}.\n"
     )
     text += NOTES
     print(text)

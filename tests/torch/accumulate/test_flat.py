@@ -67,3 +67,36 @@ def test_counters_round_trip_exactly_in_a_float32_buffer() -> None:
     assert layout.dtype == torch.float32
     assert counts.weights == [0.0, 2.0**24 + 1, 0.0] and counts.per_rank == [0, 5, 0]
     assert counts.participation == [1] and counts.modes == [0, 2, 0] and counts.nonfinite == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(SHAPES, min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    m=st.integers(1, 4),
+    transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_first_gradient_copied_then_added_bit_for_bit(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, m: int, transposed: bool, seed: int
+) -> None:
+    """Into a buffer of garbage (NaN), the first gradient is copied and the next ones added, in the buffer's
+    dtype, giving the bits of the same sum done by hand, for any shape, non-contiguous gradients included
+    (the hooks' direct path) and a dtype the buffer converts from (the general path); a NaN stays a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    layout = FlatLayout([ParamSpec(s, dtype, "all_reduce") for s in shapes], 1, 0, torch.device("cpu"), 7)
+    flat = torch.full((layout.size,), float("nan"), dtype=layout.dtype)
+    for i, shape in enumerate(shapes):
+        grads = [torch.randn(shape[::-1] if transposed else shape, generator=g).to(dtype) for _ in range(m)]
+        grads = [x.permute(tuple(reversed(range(x.dim())))) if transposed else x for x in grads]
+        if grads[0].numel() and seed % 3 == 0:
+            grads[-1][(0,) * grads[-1].dim()] = float("nan")  # kept through the copy and the adds
+        want = grads[0].to(layout.dtype).clone()
+        for k, grad in enumerate(grads):
+            layout.add(flat, i, grad, first=k == 0)
+            if k:
+                want.add_(grad.to(layout.dtype))
+        got = layout.full_view(flat, i)
+        assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), (shape, dtype, transposed)
+

@@ -152,6 +152,10 @@ class FlatLayout:
         self.slots: list[Slot] = [self._slot(s) for s in specs]
         self.buckets: list[Bucket] = []
         self._plan(specs, max(1, bucket_elems))
+        self._copies_first = all(b.kind != "reduce_scatter" for b in self.buckets)
+        # The hooks call add() once per parameter and microbatch: a real all_reduce slot is written through a
+        # strided view of the buffer made in one call, the gradient taken as it is (no reshape, no .to()).
+        self._direct: list[tuple[int, tuple[int, ...]] | None] = [self._direct_slot(s) for s in self.slots]
 
     # --- planning ------------------------------------------------------------------------------
 
@@ -200,6 +204,16 @@ class FlatLayout:
                 out += seg
         self.size, self.out_size = start, out
 
+    def _direct_slot(self, s: Slot) -> tuple[int, tuple[int, ...]] | None:
+        """A real all_reduce slot's start in the buffer and its contiguous strides (None for the other slots)."""
+        if s.bucket < 0 or s.is_complex or self.buckets[s.bucket].kind != "all_reduce":
+            return None
+        strides, step = [], 1
+        for n in reversed(s.shape):
+            strides.append(step)
+            step *= n
+        return self.buckets[s.bucket].start + s.offset, tuple(reversed(strides))
+
     # --- buffers ---------------------------------------------------------------------------------
 
     def fresh(self, pool: ReusableBuffer) -> torch.Tensor:
@@ -219,7 +233,7 @@ class FlatLayout:
 
     def copies_first(self) -> bool:
         """Whether a slot's first gradient must be copied in rather than added (see :meth:`fresh`)."""
-        return all(b.kind != "reduce_scatter" for b in self.buckets)
+        return self._copies_first
 
     def zero_slot(self, flat: torch.Tensor, i: int) -> None:
         """Zero parameter ``i``'s slot (it got no gradient this window on this rank)."""
@@ -248,7 +262,17 @@ class FlatLayout:
     # --- gradients -------------------------------------------------------------------------------
 
     def add(self, flat: torch.Tensor, i: int, grad: torch.Tensor, first: bool = False) -> None:
-        """Add parameter ``i``'s full gradient into its slot (shard rows into their segments); copy if ``first``."""
+        """Add parameter ``i``'s full gradient into its slot (shard rows into their segments); copy if ``first``.
+
+        >>> layout = FlatLayout([ParamSpec((2, 2), torch.float32, "all_reduce")], 1, 0, torch.device("cpu"), 100)
+        >>> flat = torch.zeros(layout.size)
+        >>> layout.add(flat, 0, torch.ones(2, 2).t(), first=True); layout.add(flat, 0, torch.ones(2, 2))
+        >>> layout.full_view(flat, 0)
+        tensor([[2., 2.],
+                [2., 2.]])
+        """
+        if self._add_direct(flat, i, grad, first):
+            return
         s = self.slots[i]
         grad = local_tensor(grad)  # torchtitan's full_dtensor: the unsharded gradient is a Replicate() DTensor
         src = torch.view_as_real(grad.resolve_conj()) if grad.is_complex() else grad
@@ -265,6 +289,22 @@ class FlatLayout:
         rest = src.numel() - full * width
         if rest:
             seg[full, s.offset : s.offset + rest].add_(src[full * width :])
+
+    def _add_direct(self, flat: torch.Tensor, i: int, grad: torch.Tensor, first: bool) -> bool:
+        """:meth:`add` of a plain gradient into a real all_reduce slot, in the buffer's dtype and device, or False."""
+        direct = self._direct[i]
+        if (
+            direct is None
+            or type(grad) is not torch.Tensor  # a DTensor or another subclass: the general path
+            or grad.dtype != self.dtype
+            or grad.device != flat.device
+            or grad.shape != self.slots[i].shape  # the strides are the slot's
+            or not flat.is_contiguous()
+        ):
+            return False
+        dest = flat.as_strided(grad.shape, direct[1], flat.storage_offset() + direct[0])
+        dest.copy_(grad) if first else dest.add_(grad)
+        return True
 
     def full_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s whole reduced gradient (all_reduce kind), a view of ``flat``."""
