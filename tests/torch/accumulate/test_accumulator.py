@@ -263,3 +263,22 @@ def test_second_finish_does_not_divide_twice() -> None:
     acc.discard()
     with pytest.raises(WindowError, match="M = 0"):
         acc.finish()
+
+
+def test_a_backward_with_create_graph_keeps_the_buffer_out_of_the_graph() -> None:
+    """A microbatch back-propagated with ``create_graph=True`` (a gradient penalty) runs the hooks with grad mode
+    on: the gradient is still taken as values only, so ``.grad`` after finish() is the exact mean and has no
+    history (the hook's fast path, with grad mode off, is not taken there)."""
+    lin = torch.nn.Linear(3, 1, bias=False)
+    xs = [torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0.5, -1.0, 4.0]])]
+    acc = MicrobatchAccumulator(lin)
+    for x in xs:
+        with acc.microbatch():
+            (lin(x) ** 2).sum().backward(create_graph=True)
+    acc.finish()
+    w = lin.weight.detach().double()
+    truth = sum(2 * (x.double() @ w.T) * x.double() for x in xs) / len(xs)
+    assert lin.weight.grad is not None and not lin.weight.grad.requires_grad
+    assert lin.weight.grad.grad_fn is None
+    torch.testing.assert_close(lin.weight.grad.double(), truth, rtol=1e-6, atol=0)  # float32 sums of 2 terms
+    acc.close()

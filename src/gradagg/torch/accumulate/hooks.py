@@ -52,8 +52,12 @@ def on_grad(state: State, i: int, param: torch.Tensor) -> None:
             )
         elif w.into is None:
             layout = state.layout()
-            with torch.no_grad():
-                layout.add(w.flat, i, grad, first=layout.copies_first() and i not in w.written)
+            first = layout.copies_first() and i not in w.written
+            if torch.is_grad_enabled():  # a backward with create_graph=True: the buffer must stay out of the graph
+                with torch.no_grad():
+                    layout.add(w.flat, i, grad, first=first)
+            else:  # autograd runs the hooks of a plain backward with grad mode off already
+                layout.add(w.flat, i, grad, first=first)
             w.written.add(i)
         else:  # loss terms: into the running term's own sum
             add_term(state, i, grad, w.into)
