@@ -96,3 +96,20 @@ def test_torchtitan_example_says_what_it_needs_before_it_starts_where_it_cannot_
     assert proc.stdout == "" and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("torchtitan_exact.py: needs "), proc.stderr
     assert "tests/integrations/test_torchtitan.py" in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")
+def test_deepspeed_example_applies_the_token_mean_in_every_window() -> None:
+    """ZeRO-2 on 2 ranks, uneven microbatches (none on one rank in a window): each window's applied gradient
+    within float32 round-off of the float64 token mean, and the divisor the window's tokens."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": str(Path(gradagg.__file__).resolve().parents[1])}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "examples/deepspeed_exact.py", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    window = re.compile(r"window (\d): \[(\d), (\d)\] microbatches, (\d+) tokens, D = (\S+), max error (\S+)")
+    found = [m for m in map(window.fullmatch, proc.stdout.splitlines()) if m]
+    assert [(m[1], m[2], m[3], m[4]) for m in found] == [
+        ("0", "3", "1", "16"), ("1", "0", "2", "10"), ("2", "1", "1", "7")], proc.stdout
+    assert all(float(m[5]) == int(m[4]) and float(m[6]) < 1e-5 for m in found), proc.stdout
