@@ -1,5 +1,5 @@
-"""The seam between the accumulator and a wrapper: :class:`Wrapper`, what differs between plain modules, DDP and
-FSDP2's two forms.
+"""The seam between the accumulator and a wrapper: :class:`Wrapper`, what differs between plain modules, DDP,
+FSDP2's two forms and DeepSpeed ZeRO.
 
 The accumulator's own modules (:mod:`.opening`, :mod:`.hooks`, :mod:`.finish`, the public shell) count, take
 gradients into the flat buffer, exchange it and divide once, the same for every wrapper; where a wrapper differs

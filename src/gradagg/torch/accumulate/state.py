@@ -3,8 +3,8 @@
 :class:`State` is what the public :class:`~gradagg.torch.MicrobatchAccumulator` holds and passes, explicitly,
 to the functions of the other modules of this package (:mod:`.hooks`, :mod:`.opening`, :mod:`.finish`):
 each reads and writes the state through its public fields, and none reaches into another module's objects.
-What differs between plain modules, DDP and FSDP2 is the :attr:`State.wrapper`'s (see :mod:`.seam`); the state
-holds only what every wrapper shares. The fixed part (parameters, group, wrapper, the layout) is set once by
+What differs between plain modules, DDP, FSDP2 and DeepSpeed is the :attr:`State.wrapper`'s (see :mod:`.seam`);
+the state holds only what every wrapper shares. The fixed part (parameters, group, wrapper, the layout) is set once by
 :func:`build`; :attr:`State.window` is replaced by a fresh :class:`~.window.Window` after every window (:mod:`.finish`).
 """
 
@@ -46,7 +46,7 @@ class State:
         group: the process group (None: the default one, or no communication without one); under DDP, DDP's.
         nonfinite: ``"propagate"`` or ``"raise"``.
         bucket_mb: the size of a gradient bucket.
-        wrapper: what differs for the module's wrapper (plain, DDP, FSDP2's two forms): see :mod:`.seam`.
+        wrapper: what differs for the module's wrapper (plain, DDP, FSDP2's two forms, DeepSpeed): see :mod:`.seam`.
         window: the current window's counters and buffers.
         world, rank, device: the group's size, this process's rank in it (1 and 0 with no process group), and the
             device its collectives run on.
@@ -173,7 +173,7 @@ def _build_layout(state: State) -> FlatLayout:
     for i, t in enumerate(state.tensors):
         kind = "reduce_scatter" if i in sharded else "all_reduce"
         if not state.takes(i):
-            kind = "external"  # FSDP reduces it itself; only its participation is counted here
+            kind = "external"  # the wrapper reduces it itself; only its participation is counted here
         specs.append(ParamSpec(tuple(t.shape), t.dtype, kind))  # type: ignore[arg-type]
     elem = torch.empty(0, dtype=buffer_dtype(specs)).element_size()
     w = state.wrapper
