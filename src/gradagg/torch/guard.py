@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradagg.errors import GradaggError, WindowError
-from gradagg.torch.collectives import all_gather_into, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import all_gather_into
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
@@ -167,19 +167,19 @@ def agree(state: State, what: str) -> bool:
         CollectiveError: the collective failed or timed out (a rank that did not clip or step).
     """
     w = state.window
-    if get_world_size(state.group) == 1:
+    if state.world == 1:
         rows = [[*state.identity, float(w.open), float(w.in_microbatch)]]
     else:
         mine = torch.tensor([*state.identity, float(w.open), float(w.in_microbatch)], dtype=torch.float64)
-        mine = mine.to(device_for(state.group))
-        out = all_gather_into(torch.empty(mine.numel() * get_world_size(state.group), dtype=mine.dtype,
+        mine = mine.to(state.device)
+        out = all_gather_into(torch.empty(mine.numel() * state.world, dtype=mine.dtype,
                                           device=mine.device), mine, state.group)
         rows = out.view(-1, 4).tolist()
     ids = [(int(r[0]), int(r[1])) for r in rows]
     if len(set(ids)) > 1:
         names = "; ".join(f"rank {r}: accumulator #{i[0]} (layout {i[1]:08x})" for r, i in enumerate(ids))
         raise WindowError(
-            f"rank {get_rank(state.group)}: {what} reached different accumulators on different ranks ({names}): "
+            f"rank {state.rank}: {what} reached different accumulators on different ranks ({names}): "
             "build the accumulators, and finish, clip and step them, in the same order on every rank"
         )
     inside = [r for r, row in enumerate(rows) if row[3]]

@@ -49,7 +49,7 @@ from gradagg.torch.accumulate.window import (
     weight_sum,
     weight_values,
 )
-from gradagg.torch.collectives import all_reduce_sum, device_for
+from gradagg.torch.collectives import all_reduce_sum
 from gradagg.torch.modes.local import Part
 
 
@@ -154,7 +154,7 @@ def settle(state: State) -> None:
     for k, n in enumerate(names):  # every rank writes its own slots: each rank's value arrives exactly
         vec[k * world + rank] = local[k]
         vec[(len(names) + k) * world + rank] = sums.backwards[n]
-    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().tolist()
+    got = all_reduce_sum(vec.to(state.device), state.group).cpu().tolist()
     per_rank = {n: got[k * world : (k + 1) * world] for k, n in enumerate(names)}
     ran = {n: got[(len(names) + k) * world : (len(names) + k + 1) * world] for k, n in enumerate(names)}
     totals = {n: weight_sum(per_rank[n]) for n in names}
@@ -197,7 +197,7 @@ def _zero_count(state: State, sums: TermSums, ran: dict[str, list[float]], total
     if not suspects:
         return None
     flags = torch.tensor([float(_nonzero(state, sums, n)) for n in suspects], dtype=torch.float64)
-    got = all_reduce_sum(flags.to(device_for(state.group)), state.group).cpu().tolist()
+    got = all_reduce_sum(flags.to(state.device), state.group).cpu().tolist()
     for n, nonzero in zip(suspects, got):
         if nonzero:
             runs = [r for r, b in enumerate(ran[n]) if b]

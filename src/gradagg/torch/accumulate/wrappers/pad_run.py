@@ -30,7 +30,6 @@ from gradagg.torch.accumulate.state import State
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
-from gradagg.torch.collectives import get_rank
 
 
 class Watch:
@@ -85,7 +84,7 @@ def run(state: State, sh: FsdpShards, running: list[int]) -> str | None:
             try:
                 loss = checked(sh.pad() if callable(sh.pad) else replay(state, sh))
             except Exception as exc:  # noqa: BLE001 - any failure: the round's collectives must still complete
-                failure = f"rank {get_rank(state.group)}: the padding microbatch ({_named(sh.pad)}) {_what(exc)}"
+                failure = f"rank {state.rank}: the padding microbatch ({_named(sh.pad)}) {_what(exc)}"
                 loss = _stand_in(state, sh, watch, exc, running, failure)
             _backward(state, loss, running)
             return failure
@@ -116,7 +115,7 @@ def _backward(state: State, loss: torch.Tensor, running: list[int]) -> None:
     except Exception as exc:
         if backend_error(exc):
             raise _peer_failed(state, exc, running) from exc
-        raise GradaggError(f"rank {get_rank(state.group)}: the padding microbatch's backward raised "
+        raise GradaggError(f"rank {state.rank}: the padding microbatch's backward raised "
                            f"{type(exc).__name__}: {first_line(exc)}; ranks {running} will fail in FSDP's "
                            "collectives after the collective timeout") from exc
 
@@ -138,7 +137,7 @@ def backend_error(exc: BaseException) -> bool:
 
 def _peer_failed(state: State, exc: BaseException, running: list[int]) -> CollectiveError:
     return CollectiveError(
-        f"rank {get_rank(state.group)}: a collective failed inside this rank's padding microbatch, while ranks "
+        f"rank {state.rank}: a collective failed inside this rank's padding microbatch, while ranks "
         f"{running} ran real ones (one of them probably raised or left): {first_line(exc)}")
 
 
@@ -188,7 +187,7 @@ def replay(state: State, sh: FsdpShards) -> torch.Tensor:
     module = state.params.module
     if sh.kept is None or module is None:
         raise GradaggError(
-            f"rank {get_rank(state.group)}: pad='replay' has no forward inputs to replay (no forward through the "
+            f"rank {state.rank}: pad='replay' has no forward inputs to replay (no forward through the "
             "module given to the accumulator ran on any rank); pass pad=fn"
         )
     args, kwargs = _map(sh.kept, lambda t: t.detach())

@@ -47,7 +47,7 @@ from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate import finish, opening
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.wrappers import pad_run
-from gradagg.torch.collectives import all_gather_object, all_reduce_sum, device_for, get_rank, get_world_size
+from gradagg.torch.collectives import all_gather_object, all_reduce_sum
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
@@ -94,14 +94,14 @@ def agree(state: State, sh: FsdpShards, now: bool, after: bool | None) -> Round:
     Raises:
         GradaggError: on every rank, when a rank must pad and has ``pad=None`` (the window is dropped).
     """
-    world, rank = get_world_size(state.group), get_rank(state.group)
+    world, rank = state.world, state.rank
     needs = not now and sh.pad == "replay" and sh.kept is None
     refuses = not now and sh.pad is None
     failed = sh.failure is not None
     vec = torch.zeros(6 * world, dtype=torch.float64)  # 6 rows of one slot per rank; a sum fills them all
     vec[rank::world] = torch.tensor([now, after is not False, needs, refuses, after is None, failed],
                                     dtype=torch.float64)
-    got = all_reduce_sum(vec.to(device_for(state.group)), state.group).cpu().view(6, world).tolist()
+    got = all_reduce_sum(vec.to(state.device), state.group).cpu().view(6, world).tolist()
     if any(got[5]):
         _raise_failures(state, sh)
     running = [r for r in range(world) if got[0][r]]
@@ -129,7 +129,7 @@ def _raise_failures(state: State, sh: FsdpShards) -> None:
     rank gathers what went wrong, drops the window and raises the same error."""
     told = [t for t in all_gather_object(sh.failure, state.group) if t is not None]
     _drop(state, sh)
-    raise GradaggError(f"rank {get_rank(state.group)}: a padding microbatch failed: {'; '.join(map(str, told))}; "
+    raise GradaggError(f"rank {state.rank}: a padding microbatch failed: {'; '.join(map(str, told))}; "
                        "the window was dropped on every rank")
 
 
@@ -144,7 +144,7 @@ def share_inputs(state: State, sh: FsdpShards, rnd: Round) -> None:
     if rnd.source < 0 or rnd.shared:
         return
     rnd.shared = True
-    rank = get_rank(state.group)
+    rank = state.rank
     got = all_gather_object(_packed(sh.kept) if rank == rnd.source else None, state.group)[rnd.source]
     if isinstance(got, str):
         _drop(state, sh)
@@ -153,7 +153,7 @@ def share_inputs(state: State, sh: FsdpShards, rnd: Round) -> None:
             f"(ranks {sorted(set(range(rnd.world)) - set(rnd.running))} in this round), cannot be sent: {got}; pass "
             "pad=fn (a function running a small batch of the rank's own); the window was dropped on every rank")
     if sh.kept is None and isinstance(got, bytes):  # kept for the next windows
-        sh.kept = pad_run.to_device(pickle.loads(got), device_for(state.group))  # noqa: S301 - our own ranks
+        sh.kept = pad_run.to_device(pickle.loads(got), state.device)  # noqa: S301 - our own ranks
 
 
 def _packed(kept: object) -> bytes | str:
@@ -251,7 +251,7 @@ def explained(state: State, rnd: Round | None, exc: BaseException) -> BaseExcept
         return exc
     padders = sorted(set(range(rnd.world)) - set(rnd.running))
     return CollectiveError(
-        f"rank {get_rank(state.group)}: a collective failed in this microbatch, in a round where rank(s) {padders} "
+        f"rank {state.rank}: a collective failed in this microbatch, in a round where rank(s) {padders} "
         f"ran a padding microbatch (one of them probably failed in it: its own error says how): {first_line(exc)}")
 
 
