@@ -83,7 +83,7 @@ def fuzz_world(windows: int, ranks: int) -> list[dict[str, Any]]:
             out.append({
                 "style": style, "counts": counts, "grads": fw.full_grads(model), "pure": pure(counts, rank),
                 "divisor": ledger.divisor, "m": ledger.microbatches_global,
-                "rounds": ledger.microbatches_local + acc.state.wrapper.padded_last,
+                "rounds": ledger.microbatches_local + acc.state.padded_last,
             })
             model.zero_grad()
         acc.close()
@@ -125,7 +125,7 @@ def hsdp_world(counts: list[int]) -> dict[str, Any]:
             acc = MicrobatchAccumulator(model)
             ledger = window(acc, model, tw.share(tw.token_batches(sum(counts)), counts, rank), style)
             out[(layout, style)] = {"grads": fw.full_grads(model), "divisor": ledger.divisor,
-                                    "padded": acc.state.wrapper.padded_last}
+                                    "padded": acc.state.padded_last}
             acc.close()
     return out
 

@@ -127,7 +127,7 @@ def buffers_world(windows: int) -> list[dict[str, Any]]:
                     loss64(model, batch).backward()
             acc.finish()
             got = fw.full_grads(model)
-            out.append({"style": style, "counts": counts, "window": k, "padded": acc.state.wrapper.padded_last,
+            out.append({"style": style, "counts": counts, "window": k, "padded": acc.state.padded_last,
                         "buffers": buffers(model), "want_buffers": want_bufs[k][rank],
                         "grad_error": max(float((got[n] - g).abs().max()) for n, g in want_grads[k].items())})
             model.zero_grad()

@@ -60,6 +60,8 @@ class State:
         sharded: the wrapper's parameters held as shards (read in every hook call: a set, computed once).
         external: those the wrapper reduces itself, whose buffer slot stays empty.
         taken: ``(index, parameter)`` of the others, whose own ``.grad`` the hooks take into the buffer.
+        padded_last: how many padding microbatches this rank ran in the last finished window (FSDP2's shards
+            form pads a rank that ran out; 0 elsewhere).
         identity: ``(serial, fingerprint)``, the same on every rank for the same accumulator (see :func:`identify`);
             it travels with the window's counters so that ranks finishing different accumulators all refuse.
         site: where the user's code built it (``file:line``), to name it in messages.
@@ -84,6 +86,7 @@ class State:
     last: Ledger | None = None
     next_last: bool | None = None
     flat_layout: FlatLayout | None = None  # built on first use by layout()
+    padded_last: int = 0
     identity: tuple[int, int] = (0, 0)
     finished: int = 0
     site: str = "?"

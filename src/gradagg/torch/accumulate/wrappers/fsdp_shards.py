@@ -51,7 +51,6 @@ class FsdpShards(FsdpWindow):
         agreed, done, padded: this window's round agreed for the microbatch about to run; whether a round found no
             rank with a microbatch; the padding microbatches run here.
         sums: this window's shards FSDP reduced, summed in float32 at least, by parameter index.
-        padded_last: the padding microbatches this rank ran in the last finished window.
     """
 
     name = "fsdp shards"
@@ -64,7 +63,7 @@ class FsdpShards(FsdpWindow):
         self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.failure: str | None = None
         self.agreed: Round | None = None
-        self.done, self.padded, self.padded_last = False, 0, 0
+        self.done, self.padded = False, 0
         self.sums: dict[int, torch.Tensor] = {}
 
     def install(self, state: State) -> None:
@@ -145,7 +144,7 @@ class FsdpShards(FsdpWindow):
 
     def close(self, state: State) -> None:
         super().close(state)
-        self.padded_last = self.padded
+        state.padded_last = self.padded
         self._new_window()
 
     def discard(self, state: State) -> None:
