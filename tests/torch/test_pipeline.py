@@ -148,3 +148,21 @@ def test_replica_counts_beyond_float64_are_refused(ranks: list[dict[str, Any]]) 
         out = r["refused_beyond"]
         assert out["raised"] is not None and out["all_none"], out
         assert "the total count D over the replicas sums beyond float64" in out["raised"], out["raised"]
+
+
+def test_a_count_float32_gradients_cannot_be_divided_by_is_refused(ranks: list[dict[str, Any]]) -> None:
+    """D = 2e39 and a few tokens: finite in float64, beyond float32, the stages' gradients' dtype, where each gradient
+    divided by it would be 0 (torch casts the divisor to the gradient's dtype). Refused on every rank, every gradient
+    None, in the words the MicrobatchAccumulator refuses a float32 buffer's divisor with."""
+    p = torch.zeros(1, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    for k in range(2):
+        with acc.microbatch(weight=1e39 if k == 0 else 1.0):
+            p.sum().backward()
+    with pytest.raises(WindowError, match="is beyond what float32 sums can be divided by"):
+        acc.finish()
+    for r in ranks:
+        out = r["refused_float32"]
+        assert out["raised"] is not None and out["all_none"], out
+        assert "the total count D, 2e+39" in out["raised"] and "is beyond what float32 sums can be divided by" in \
+            out["raised"], out["raised"]

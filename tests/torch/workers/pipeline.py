@@ -153,24 +153,29 @@ def schedule_own_case(me: Rank) -> dict[str, Any]:
 
 
 # Counts that cannot count, as replica 1's last stage returns them (microbatch k, its true count): the accumulator
-# refuses the same weights with the same words (test_pipeline.py compares them). "beyond" is replica 0's and 1's:
-# each replica's total is finite, the two together leave float64.
+# refuses the same weights with the same words (test_pipeline.py compares them). "beyond" and "float32" are replica
+# 0's and 1's: each replica's total is finite, the two together leave float64; or stay in float64 but leave
+# float32, the gradients' dtype (a float32 gradient divided by D would be 0).
 BAD_COUNTS: dict[str, Callable[[int, Any], Any]] = {
     "nan": lambda k, count: float("nan"),
     "negative": lambda k, count: torch.tensor(-3) if k == 2 else count,
     "inf": lambda k, count: float("inf") if k == 1 else count,
     "overflow": lambda k, count: 1e308 if k < 2 else count,
     "beyond": lambda k, count: 1e308 if k == 0 else count,
+    "float32": lambda k, count: 1e39 if k == 0 else count,
 }
 
 
 def refused_case(me: Rank, what: str) -> dict[str, Any]:
     """A step that must raise on every rank, leaving every gradient None."""
-    stages, _, tied = build(me, 1)
+    stages, modules, tied = build(me, 1)
+    if what == "float32":  # float32 gradients on every stage (the parameters converted in place)
+        for mod in modules:
+            mod.float()
     pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
     layout = [[[0, 1]] * 2, [[1, 0]] * 2] if what == "zero" else UNEVEN
     mbs = batches(layout, me.dp)
-    bad = BAD_COUNTS.get(what) if me.dp == 1 or what == "beyond" else None
+    bad = BAD_COUNTS.get(what) if me.dp == 1 or what in ("beyond", "float32") else None
 
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Any]:
         total, count = m.token_sum_loss(logits, labels)

@@ -10,7 +10,8 @@ number of valid tokens.
 - :func:`weight_values` reads the kept weights in one transfer;
 - :func:`weight_problem` names the first weight that cannot count (negative, NaN, infinite, on the meta device)
   by its microbatch, or a sum beyond float64; the same words wherever it is refused;
-- :func:`weight_sum` sums them exactly (``math.fsum``), rounded once, never raising.
+- :func:`weight_sum` sums them exactly (``math.fsum``), rounded once, never raising;
+- :func:`divisor_problem` says whether sums in a dtype can be divided by that sum.
 
 :class:`Tally` holds one rank's weights in microbatch order and reads them once into a :class:`Read`.
 """
@@ -25,7 +26,7 @@ from typing import cast
 import torch
 
 from gradagg.errors import GradaggError
-from gradagg.torch.placements import is_dtensor
+from gradagg.torch.placements import dtype_name, is_dtensor
 
 Weight = float | torch.Tensor
 """A weight as kept: a float, or a 0-dim tensor copied when given (read later, in one transfer)."""
@@ -131,6 +132,25 @@ def weight_sum(values: list[float]) -> float:
         return math.nan
 
 
+def divisor_problem(divisor: float, dtype: torch.dtype) -> str | None:
+    """Why sums held in ``dtype`` cannot be divided by ``divisor`` (the end of a sentence that names it), or None.
+
+    torch divides a ``dtype`` tensor by a Python number in ``dtype``: a divisor beyond its range divides every
+    gradient to 0 (or NaN), one below its smallest normal to infinity, silently. D = 0 is the caller's to name.
+
+    >>> divisor_problem(1e39, torch.float32)
+    'is beyond what float32 sums can be divided by'
+    >>> divisor_problem(1e39, torch.float64) is None
+    True
+    """
+    finfo = torch.finfo(dtype)
+    if not divisor <= finfo.max:
+        return f"is beyond what {dtype_name(dtype)} sums can be divided by"
+    if divisor < finfo.tiny:
+        return f"is below the smallest normal {dtype_name(dtype)}"
+    return None
+
+
 @dataclass(frozen=True)
 class Read:
     """One rank's weights as read once: their values in microbatch order, why they cannot count, and their sum.
@@ -180,4 +200,6 @@ class Tally:
         return Read(tuple(values), weight_problem(self.weights, values), weight_sum(values))
 
 
-__all__ = ["Read", "Tally", "Weight", "check_weight", "weight_problem", "weight_sum", "weight_values"]
+__all__ = [
+    "Read", "Tally", "Weight", "check_weight", "divisor_problem", "weight_problem", "weight_sum", "weight_values",
+]

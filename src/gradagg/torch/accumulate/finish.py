@@ -7,10 +7,9 @@ rank raises, or succeeds, together.
 
 from __future__ import annotations
 
-import torch
-
 from gradagg.errors import NonFiniteGradientError, WindowError
 from gradagg.torch.accumulate import hooks, opening, terms_after
+from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.flat import Counts, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, WEIGHTED, WEIGHTING, Ledger
 from gradagg.torch.accumulate.state import State
@@ -21,7 +20,6 @@ from gradagg.torch.accumulate.window import (
     Window,
     weight_sum,
 )
-from gradagg.torch.placements import dtype_name
 
 
 def finish(state: State) -> Ledger:
@@ -118,15 +116,11 @@ def _divisor(state: State, mode: int, m: int, counts: Counts) -> float:
     if mode != WEIGHTED:
         return m
     divisor = weight_sum(counts.weights)
-    dtype = state.layout().dtype
-    finfo = torch.finfo(dtype)
     why = None
     if divisor == 0:
         why = f"the total weight of the window is 0 over {m} microbatches: there is no mean to take"
-    elif not divisor <= finfo.max:
-        why = f"the total weight of the window, {divisor!r}, is beyond what {dtype_name(dtype)} sums can be divided by"
-    elif divisor < finfo.tiny:
-        why = f"the total weight of the window, {divisor!r}, is below the smallest normal {dtype_name(dtype)}"
+    elif (problem := divisor_problem(divisor, state.layout().dtype)) is not None:
+        why = f"the total weight of the window, {divisor!r}, {problem}"
     if why is not None:
         discard(state)
         raise WindowError(f"{why} (per rank: {counts.weights})")

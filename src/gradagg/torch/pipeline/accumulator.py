@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from gradagg.errors import GradaggError, PlacementError, WindowError
+from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.ledger import Span
 from gradagg.torch.accumulate.lifetime import group_ranks
 from gradagg.torch.accumulate.stale import clear_zeroed
@@ -106,7 +107,8 @@ class PipelineAccumulator:
                 the step (call ``optimizer.zero_grad()``), a count cannot count (NaN, Inf, negative, or a replica's
                 counts sum beyond float64: named by its microbatch and rank, in the words ``MicrobatchAccumulator``
                 refuses such a weight with), a pipeline has no last stage or no count (the schedule was not built
-                with ``loss_fn=pipe.loss(fn)``), D = 0 or beyond float64, or the loss function failed on some
+                with ``loss_fn=pipe.loss(fn)``), D = 0, beyond float64 or outside what a stage's gradients' dtype can be
+                divided by (D beyond float32 with float32 gradients), or the loss function failed on some
                 microbatch (naming it, the rank and the error). A failure inside
                 the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
             CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
@@ -141,7 +143,8 @@ class PipelineAccumulator:
 
     def _finish(self, stale: bool) -> PipelineLedger:
         present = [p.grad is not None for p in self.params]
-        totals = reduce_counts(self._counts, self.last, stale, present, self.pp_group, self.dp_group)
+        dtypes = {p.dtype for p, here in zip(self.params, present) if here}
+        totals = reduce_counts(self._counts, self.last, stale, present, dtypes, self.pp_group, self.dp_group)
         problem = _problem(totals)
         if any(totals.failed) or any(totals.invalid):  # the same on every rank: each names what it could not count
             problem = "; ".join(failures.texts(self._counts.problems(), self.pp_group, self.dp_group))
@@ -218,4 +221,8 @@ def _problem(t: Totals) -> str | None:
         return f"the total count D is 0 (microbatches per replica {list(t.microbatches)}, all padding)"
     if not math.isfinite(t.divisor):  # each replica's count is finite (weight_problem): their sum is not
         return f"the total count D over the replicas sums beyond float64 (per replica {list(t.tokens)})"
+    for dtype in t.dtypes:  # each gradient is divided by D in its own dtype
+        problem = divisor_problem(t.divisor, dtype)
+        if problem is not None:
+            return f"the total count D, {t.divisor!r}, {problem} (per replica {list(t.tokens)})"
     return None

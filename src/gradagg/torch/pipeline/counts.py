@@ -9,8 +9,10 @@ As Megatron's ``finalize_model_grads`` broadcasts ``num_tokens`` from the last s
 below runs over the pipeline group, in which every other stage contributes zeros: a broadcast written as a sum,
 which also shows how many stages claimed to be last. The second runs over the data-parallel group, each
 replica's numbers in a slot of their own (so the ledger has them per replica) and one presence flag per
-parameter after them (absent on every replica stays None; absent on some is written as zeros). Two small
-collectives per step, whatever the model's size, and one read back of their result.
+parameter after them (absent on every replica stays None; absent on some is written as zeros). The slot also
+says which dtypes the ranks' gradients are divided in, so that every rank checks D against each of them (a D
+beyond float32 divides a float32 gradient to 0), though its own stage holds one. Two small collectives per
+step, whatever the model's size, and one read back of their result.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from gradagg.torch.accumulate.counting import Read, Tally, Weight, check_weight,
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, get_world_size
 
 # One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, counts that cannot count,
-# stale ranks, microbatches whose loss function failed.
+# stale ranks, microbatches whose loss function failed; then, per dtype of _DIVIDED, the ranks with a gradient in it.
 TOKENS, MICROBATCHES, PADDING, LASTS, LOSS, INVALID, STALE, FAILED = range(8)
-_FIELDS = 8
+_DIVIDED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the real dtypes a gradient is divided in
+_FIELDS = 8 + len(_DIVIDED)
 _NOTHING = Read((), None, 0.0)
 
 
@@ -105,6 +108,8 @@ class Totals:
     stale: tuple[int, ...]
     present: tuple[bool, ...]
     failed: tuple[int, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
+    """The dtypes the gradients present on any rank of any stage are divided in."""
 
     @property
     def divisor(self) -> float:
@@ -112,10 +117,14 @@ class Totals:
         return weight_sum(list(self.tokens))
 
 
-def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], pp: Group, dp: Group) -> Totals:
-    """Sum this rank's counts over its pipeline, then gather them per replica (two all_reduce calls)."""
+def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], dtypes: set[torch.dtype], pp: Group,
+                  dp: Group) -> Totals:
+    """Sum this rank's counts over its pipeline, then gather them per replica (two all_reduce calls). ``dtypes``:
+    those of this rank's gradients (the stages' may differ: every rank checks D against every stage's)."""
     device = device_for(pp)
     local = _local(counts, last, stale, device)
+    real = {d.to_real() for d in dtypes}
+    local[8:] = torch.tensor([1.0 if d in real else 0.0 for d in _DIVIDED], dtype=torch.float64)
     all_reduce_sum(local, pp)
     width, slot = get_world_size(dp), get_rank(dp)
     buf = torch.zeros(_FIELDS * width + len(present), dtype=torch.float64, device=device_for(dp))
@@ -132,6 +141,7 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
         tokens=tuple(col[TOKENS]), microbatches=ints(MICROBATCHES), padding=ints(PADDING), lasts=ints(LASTS),
         loss=float(sum(col[LOSS])), invalid=ints(INVALID), stale=ints(STALE),
         present=tuple(v != 0 for v in values[_FIELDS * width:]), failed=ints(FAILED),
+        dtypes=tuple(d for k, d in enumerate(_DIVIDED) if any(col[8 + k])),
     )
 
 
