@@ -8,6 +8,7 @@ are added, a different rounding order from the truth's); every wrong divisor bel
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -154,6 +155,21 @@ def test_extra_buffers_are_one_per_term_beyond_the_first_and_freed() -> None:
     ledger = acc.finish()
     assert w.grad is not None and torch.equal(w.grad, torch.full((2,), 3.0, dtype=torch.float64))  # 1/1 + 2/2 + 3/3
     assert ledger.terms == {"a": 1.0, "b": 2.0, "c": 3.0} and acc.state.window.term_sums is None
+    acc.close()
+
+
+@pytest.mark.parametrize(("count", "words"), [(1e39, "is beyond what float32 sums can be divided by"),
+                                              (1e-39, "is below the smallest normal float32")])
+def test_a_term_count_its_dtype_cannot_divide_by_is_refused(count: float, words: str) -> None:
+    """A term's count outside what the float32 buffer can be divided by (its gradient would become 0 or inf): refused,
+    in the words finish() refuses a window's total weight with (counting.divisor_problem, one rule)."""
+    w = torch.ones(2, requires_grad=True)
+    acc = MicrobatchAccumulator([("w", w)], terms=["a"])
+    with acc.microbatch() as mb:
+        mb.backward("a", w.sum(), count=count)
+    with pytest.raises(WindowError, match=re.escape(f"loss term 'a' counts {count!r} on all ranks, {words}")):
+        acc.finish()
+    acc.discard()
     acc.close()
 
 

@@ -36,6 +36,7 @@ import torch
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch.accumulate import hooks
+from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.ledger import TERMS
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import (
@@ -185,8 +186,9 @@ def _problem(state: State, per_rank: dict[str, list[float]], totals: dict[str, f
         if bad:
             return f"loss term {n!r}: rank {bad[0][0]} counted {bad[0][1]}; a count must be finite and non-negative"
         t = totals[n]
-        if t > torch.finfo(dtype).max or 0 < t < torch.finfo(dtype).tiny:
-            return f"loss term {n!r} counts {t!r} on all ranks, beyond what {dtype} sums can be divided by"
+        problem = divisor_problem(t, dtype) if t != 0 else None  # a term counting 0 is the caller's to judge
+        if problem is not None:
+            return f"loss term {n!r} counts {t!r} on all ranks, {problem}"
     return None
 
 
