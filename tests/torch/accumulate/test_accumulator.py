@@ -265,6 +265,7 @@ def test_second_finish_does_not_divide_twice() -> None:
         acc.finish()
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")  # torch's, expected here
 def test_a_backward_with_create_graph_keeps_the_buffer_out_of_the_graph() -> None:
     """A microbatch back-propagated with ``create_graph=True`` (a gradient penalty) runs the hooks with grad mode
     on: the gradient is still taken as values only, so ``.grad`` after finish() is the exact mean and has no
