@@ -27,9 +27,9 @@ from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_ran
 
 # One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, counts that cannot count,
 # stale ranks, microbatches whose loss function failed; then, per dtype of _DIVIDED, the ranks with a gradient in it.
-TOKENS, MICROBATCHES, PADDING, LASTS, LOSS, INVALID, STALE, FAILED = range(8)
+TOKENS, MICROBATCHES, PADDING, LASTS, LOSS, INVALID, STALE, FAILED, DTYPES = range(9)
 _DIVIDED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the real dtypes a gradient is divided in
-_FIELDS = 8 + len(_DIVIDED)
+_FIELDS = DTYPES + len(_DIVIDED)
 _NOTHING = Read((), None, 0.0)
 
 
@@ -124,7 +124,7 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
     device = device_for(pp)
     local = _local(counts, last, stale, device)
     real = {d.to_real() for d in dtypes}
-    local[8:] = torch.tensor([1.0 if d in real else 0.0 for d in _DIVIDED], dtype=torch.float64)
+    local[DTYPES:] = torch.tensor([1.0 if d in real else 0.0 for d in _DIVIDED], dtype=torch.float64)
     all_reduce_sum(local, pp)
     width, slot = get_world_size(dp), get_rank(dp)
     buf = torch.zeros(_FIELDS * width + len(present), dtype=torch.float64, device=device_for(dp))
@@ -141,7 +141,7 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
         tokens=tuple(col[TOKENS]), microbatches=ints(MICROBATCHES), padding=ints(PADDING), lasts=ints(LASTS),
         loss=float(sum(col[LOSS])), invalid=ints(INVALID), stale=ints(STALE),
         present=tuple(v != 0 for v in values[_FIELDS * width:]), failed=ints(FAILED),
-        dtypes=tuple(d for k, d in enumerate(_DIVIDED) if any(col[8 + k])),
+        dtypes=tuple(d for k, d in enumerate(_DIVIDED) if any(col[DTYPES + k])),
     )
 
 
