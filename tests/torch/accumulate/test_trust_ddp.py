@@ -80,6 +80,17 @@ def test_ddps_ignored_parameter_stays_rank_local(results: list[dict[str, Any]], 
         assert f"own count {int(count(wt.COUNTS[rank]))}: b" in got["report"], got["report"]
 
 
+def test_a_rank_local_count_its_dtype_cannot_divide_by_is_refused_on_every_rank(results: list[dict[str, Any]]) -> None:
+    """Rank 0's own total weight (2e-39) below float32's smallest normal: its rank-local ``b`` cannot be divided by it
+    (inf), so every rank refuses, naming rank 0, in counting.divisor_problem's words, before anything is handed out."""
+    for rank, r in enumerate(results):
+        assert isinstance(r["ignored_tiny"], tuple), (rank, r["ignored_tiny"])
+        kind, message = r["ignored_tiny"]
+        assert kind == "WindowError" and "rank 0" in message, (rank, message)
+        if rank == 0:
+            assert "is below the smallest normal float32" in message and "parameters_to_ignore" in message, message
+
+
 @pytest.mark.parametrize(("case", "mine", "theirs"), [
     ("buffer_dtype", "float64 of shape (2,)", "float32 of shape (2,)"),
     ("buffer_shape", "float64 of shape (2,)", "float64 of shape (3,)"),

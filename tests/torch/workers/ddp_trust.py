@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradagg.errors import WindowError
 from gradagg.torch import MicrobatchAccumulator
 from tests.torch.workers.dist import error_of
 
@@ -98,6 +99,27 @@ def ddp_ignored(weighted: bool) -> dict[str, Any]:
     ledger = acc.ledger
     acc.close()
     return {"grads": _grads(model.module), "report": ledger.report(), "rank_local": list(ledger.rank_local)}
+
+
+def ddp_ignored_tiny_count() -> tuple[str, str] | dict[str, Any]:
+    """Rank 0's own total weight, 2e-39, is below float32's smallest normal: its rank-local ``b`` (float32) divided
+    by it would be inf, though the global D (about 9) divides ``a`` well."""
+    module = Pair().float()
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ["b"])  # see ddp_ignored
+    model = DDP(module)
+    acc = MicrobatchAccumulator(model)
+    rank = dist.get_rank()
+    try:
+        for k in range(COUNTS[rank]):
+            with acc.microbatch(weight=1e-39 if rank == 0 else k + 1):
+                model(torch.tensor(coef(rank, k))).sum().backward()
+        acc.finish()
+    except WindowError as exc:
+        acc.discard()
+        acc.close()
+        return ("WindowError", str(exc))
+    acc.close()
+    return _grads(model.module)
 
 
 def ddp_buffer_changed(change: str) -> dict[str, Any]:
@@ -245,6 +267,7 @@ def trust_world() -> dict[str, Any]:
         "same_group_given": ddp_same_group_given(),
         "ignored": ddp_ignored(False),
         "ignored_weighted": ddp_ignored(True),
+        "ignored_tiny": ddp_ignored_tiny_count(),
         "buffer_dtype": ddp_buffer_changed("dtype"),
         "buffer_shape": ddp_buffer_changed("shape"),
         "outside_group": outside_group(),

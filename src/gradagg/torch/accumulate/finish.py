@@ -66,8 +66,8 @@ def _prepare(state: State) -> None:
         opening.check_params(state)
     else:
         opening.open_window(state, empty=True)  # a stale gradient fails the window there
+    w.settle_weights()  # a weight that cannot count fails the window here (read once: the wrapper reads the total)
     state.wrapper.prepare(state, ran)  # FSDP2 shards: a rank with none pads while the others still run theirs
-    w.settle_weights()  # a weight that cannot count fails the window here
     if state.terms:  # every rank: each term counted over the ranks, then divided into the window's buffer
         terms_after.settle(state)
 

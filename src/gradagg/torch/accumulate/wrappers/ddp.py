@@ -53,8 +53,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradagg.errors import CollectiveError, GradaggError
+from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.state import State
-from gradagg.torch.accumulate.window import PEER, Window
+from gradagg.torch.accumulate.window import PEER, WEIGHT, Window
 from gradagg.torch.accumulate.wrappers.plain import Plain
 from gradagg.torch.collectives import (
     Group,
@@ -76,6 +77,11 @@ class Ddp(Plain):
     def __init__(self, hold: DdpHold) -> None:
         super().__init__()
         self.hold = hold
+
+    def prepare(self, state: State, ran: bool) -> None:
+        # before the exchange, so that every rank refuses a rank-local divisor this rank cannot divide by
+        if self.hold.local:
+            self.hold.check_local(state.window)
 
     def after_exchange(self, state: State) -> None:
         # every rank exchanged, whatever its count: the next window starts with rank 0's buffers
@@ -179,6 +185,19 @@ class DdpHold:
                     t.grad = None
                 else:
                     t.grad.div_(divisor)
+
+    def check_local(self, window: Window) -> None:
+        """Fail the window (every rank then refuses) where the rank-local gradients cannot be divided by this rank's
+        own count in their dtype (:func:`~gradagg.torch.accumulate.counting.divisor_problem`)."""
+        divisor = window.local_divisor()
+        if divisor is None or divisor == 1:
+            return
+        for name, t in self.local:
+            problem = None if t.grad is None else divisor_problem(divisor, t.grad.dtype)
+            if problem is not None:
+                window.fail(WEIGHT, f"this rank's own count, {divisor!r}, which divides DDP's parameters_to_ignore "
+                                    f"({name!r}), {problem}")
+                return
 
     def drop_local(self) -> None:
         """Forget the rank-local parameters' gradients of a dropped window (``discard()``)."""
