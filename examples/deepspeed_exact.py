@@ -6,6 +6,8 @@ A tiny token model, right-padded sequences (label -100 = ignore), a different nu
 rank in each window (none included); each microbatch back-propagates the SUM of its token losses inside
 ``acc.microbatch(weight=its tokens)``. Every step's applied gradient (SGD, lr 1: the parameters' change) is
 checked against one float64 forward/backward of all ranks' sequences of that window, divided by their tokens.
+On a CPU, DeepSpeed's first ``init_distributed`` in a new environment JIT-compiles its shared-memory op when a C++
+compiler and ninja are present: minutes once, before the first window.
 """
 
 import copy

@@ -101,11 +101,13 @@ def test_torchtitan_example_says_what_it_needs_before_it_starts_where_it_cannot_
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to this Python")
 def test_deepspeed_example_applies_the_token_mean_in_every_window() -> None:
     """ZeRO-2 on 2 ranks, uneven microbatches (none on one rank in a window): each window's applied gradient
-    within float32 round-off of the float64 token mean, and the divisor the window's tokens."""
+    within float32 round-off of the float64 token mean, and the divisor the window's tokens. The script runs through
+    a launcher that keeps DeepSpeed from compiling its shared-memory op first (minutes in a fresh environment)."""
     pytest.importorskip("deepspeed")
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": str(Path(gradagg.__file__).resolve().parents[1])}
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "examples/deepspeed_exact.py", "2"]
+    paths = [str(Path(gradagg.__file__).resolve().parents[1]), str(EXAMPLES.parent)]  # gradagg, and tests' package
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(paths)}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "tests.integrations.workers.deepspeed_example",
+           "examples/deepspeed_exact.py", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     window = re.compile(r"window (\d): \[(\d), (\d)\] microbatches, (\d+) tokens, D = (\S+), max error (\S+)")
