@@ -33,8 +33,9 @@ DDP's own settings are kept:
   not take them either (see :class:`~.params.Params`); their gradients sum over this rank's microbatches as
   autograd leaves them, and ``finish()`` divides them by *this rank's own* count (its microbatches, its total
   weight, or 1 for loss terms divided ahead): the rank-local mean that a DDP step with a per-rank mean loss
-  gives them. Where this rank counted nothing (no microbatch, or a total weight of 0) their gradient is None.
-  The ledger names them (``Ledger.rank_local``).
+  gives them. Where this rank counted nothing (no microbatch, or a total weight of 0) their gradient is None;
+  where their dtype cannot be divided by its count, every rank refuses the window, naming this one
+  (:meth:`DdpHold.check_local`). The ledger names them (``Ledger.rank_local``).
 
 Only public API: ``DistributedDataParallel.no_sync``, its ``forward_sync_buffers`` attribute (torch >= 2.13,
 read by its ``_pre_forward``; ``broadcast_buffers`` is a property over it there, the attribute itself before),
