@@ -102,8 +102,14 @@ def test_sigterm_while_reading_leaves_out_as_it_was(tmp_path: Path) -> None:
 
 # Runs the real command line, with the final rename made to wait (a line on stdout says the temporary file
 # is written), so that the signal arrives exactly while the result sits in its temporary file.
+# The child starts with the three signals at their defaults: a runner that ignores one (`nohup make test`
+# ignores SIGHUP; a shell's background job ignores SIGINT) passes that on, and gradagg rightly keeps an
+# ignored signal ignored, so the signal would never arrive.
 _SLOW_RENAME = """
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import gradagg.rows.formats.atomic as atomic
 def slow_replace(src, dst):
     print("written", flush=True)
