@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import os
 import re
@@ -113,6 +114,7 @@ def test_fragments_say_what_they_need_compile_and_import(block: Block) -> None:
     for word in reason.replace(",", " ").replace(";", " ").replace(")", " ").split():
         if word.startswith(("examples/", "tests/", "bench/")):
             assert (ROOT / word.split("::")[0]).exists(), f"{block.where}: names {word}, which does not exist"
+    _shared_helpers_called_as_defined(block)
     imports = gradagg_imports(block.text)
     try:
         exec(compile(imports, block.where, "exec"), {})  # in this process: each module is imported once for all blocks
@@ -120,6 +122,19 @@ def test_fragments_say_what_they_need_compile_and_import(block: Block) -> None:
         if (exc.name or "gradagg").split(".")[0] == "gradagg":
             raise
         pytest.skip(f"{block.where} imports a module that needs {exc.name}, which is not installed")
+
+
+def _shared_helpers_called_as_defined(block: Block) -> None:
+    """A fragment cannot run, so nothing else checks how it calls the helpers the README defines: ``loss_sum(model,
+    ids)`` takes the model (a name: the model, ``self`` in a LightningModule), never its output (a call)."""
+    for node in ast.walk(ast.parse(block.text)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("loss_sum", "n_tokens"):
+            want = 2 if node.func.id == "loss_sum" else 1
+            assert len(node.args) == want, f"{block.where}: {ast.unparse(node)} takes {want} argument(s)"
+            if node.func.id == "loss_sum":
+                model = node.args[0]
+                assert not isinstance(model, ast.Call), (
+                    f"{block.where}: {ast.unparse(node)} passes the model's output; loss_sum takes the model")
 
 
 @pytest.mark.parametrize("block", _of("not run"), ids=_ids(_of("not run")))
