@@ -169,7 +169,7 @@ class MicrobatchAccumulator:
         if st.window.in_microbatch:
             raise WindowError("microbatch() entered inside another microbatch(); microbatches do not nest")
         value = None if weight is None else check_weight(weight)
-        lookahead, st.next_last = st.next_last, None
+        lookahead, st.window.next_last = st.window.next_last, None
         last = last or bool(lookahead)
         if not st.window.open:
             opening.open_window(st)
@@ -237,16 +237,21 @@ class MicrobatchAccumulator:
             upcoming = next(it)
         except StopIteration:
             return
-        while True:
-            current = upcoming
-            try:
-                upcoming, last = next(it), False
-            except StopIteration:
-                last = True
-            self._state.next_last = last
-            yield current
-            if last:
-                return
+        try:
+            while True:
+                current = upcoming
+                try:
+                    upcoming, last = next(it), False
+                except StopIteration:
+                    last = True
+                self._state.window.next_last = last
+                yield current
+                # the item's microbatch() took the flag; an item skipped (``continue``) leaves it for nobody
+                self._state.window.next_last = None
+                if last:
+                    return
+        finally:  # the loop left early (``break``, an exception): the flag it set marks nothing
+            self._state.window.next_last = None
 
     def divisors(self, local: Mapping[str, object]) -> dict[str, float]:
         """Global divisors of the window's loss terms, counted ahead: one small all_reduce before any backward.

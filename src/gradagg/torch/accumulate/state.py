@@ -56,7 +56,6 @@ class State:
         layout_checked: whether the ranks' parameter lists were compared (once per accumulator).
         closed: the hooks are gone; every call refuses.
         last: the ledger of the last finished window.
-        next_last: set by ``microbatches()``: whether the next microbatch is the rank's last.
         sharded: the wrapper's parameters held as shards (read in every hook call: a set, computed once).
         external: those the wrapper reduces itself, whose buffer slot stays empty.
         taken: ``(index, parameter)`` of the others, whose own ``.grad`` the hooks take into the buffer.
@@ -84,7 +83,6 @@ class State:
     layout_checked: bool = False
     closed: bool = False
     last: Ledger | None = None
-    next_last: bool | None = None
     flat_layout: FlatLayout | None = None  # built on first use by layout()
     padded_last: int = 0
     identity: tuple[int, int] = (0, 0)

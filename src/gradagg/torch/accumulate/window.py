@@ -77,6 +77,9 @@ class Window:
     term_sums: TermSums | None = None
     total: float | None = None  # the weights' sum, once settle_weights() read them
     running: Weight | None = None  # the running microbatch's weight (see MicrobatchAccumulator._end_microbatch)
+    # set by microbatches()' look-ahead: whether the next microbatch is the rank's last. Window state, so that a
+    # loop that left microbatches() early (continue past its last item, break) leaves nothing to the next window
+    next_last: bool | None = None
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params

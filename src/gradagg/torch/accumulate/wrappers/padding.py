@@ -229,7 +229,7 @@ def rounds(state: State, sh: FsdpShards, items: Iterable[T]) -> Iterator[T]:
             pad_once(state, sh, rnd)
             continue
         sh.agreed = rnd
-        state.next_last = rnd.last and rnd.everyone  # early bucket sends only where every rank runs the same
+        state.window.next_last = rnd.last and rnd.everyone  # early bucket sends only where every rank runs the same
         yield current
 
 
