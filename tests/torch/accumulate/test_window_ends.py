@@ -141,3 +141,65 @@ def _truth_keeping(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[
     full = torch.cat(batches)
     loss = torch.func.functional_call(model, params, (full,)).pow(2).sum() / len(full)
     return list(torch.autograd.grad(loss, list(params.values())))
+
+
+def test_a_second_finish_names_itself() -> None:
+    """finish() twice with no microbatch between: named as such, not as a gradient left from before the window."""
+    model = _model()
+    acc = MicrobatchAccumulator(model)
+    _run(acc, model, _batch(0))
+    acc.finish()
+    with pytest.raises(WindowError, match=r"still holds the gradient the last finish\(\) handed out"):
+        acc.finish()
+    acc.discard()
+
+
+def test_a_backward_outside_microbatch_names_itself() -> None:
+    """A backward with no microbatch() around it, then finish(): named as a backward outside microbatch()."""
+    model = _model()
+    acc = MicrobatchAccumulator(model)
+    model(_batch(0)).pow(2).sum().backward()
+    with pytest.raises(WindowError, match=r"a backward ran outside microbatch\(\)"):
+        acc.finish()
+    acc.discard()
+    _run(acc, model, _batch(1))  # the accumulator works on after the discard
+    acc.finish()
+
+
+def test_a_gradient_left_by_a_plain_assignment_keeps_the_zeroing_advice() -> None:
+    """A non-zero .grad set by hand before the window (neither handed out nor from a backward): the old advice."""
+    model = _model()
+    acc = MicrobatchAccumulator(model)
+    next(model.parameters()).grad = torch.ones_like(next(model.parameters()))
+    with pytest.raises(WindowError, match=r"zero the gradients with optimizer.zero_grad\(\)") as caught:
+        acc.finish()
+    assert "handed out" not in str(caught.value) and "outside microbatch" not in str(caught.value)
+    acc.discard()
+
+
+def test_a_handed_out_gradient_written_in_place_keeps_the_zeroing_advice() -> None:
+    """zero_grad(set_to_none=False) and a write into the handed-out tensor: the same object, no longer what finish()
+    handed out; and where the version counter cannot be read (stale.version's fallback), the generic advice too."""
+    model = _model()
+    acc = MicrobatchAccumulator(model)
+    _run(acc, model, _batch(0))
+    acc.finish()
+    model.zero_grad(set_to_none=False)
+    next(model.parameters()).grad[0, 0] = 1.0  # type: ignore[index]
+    with pytest.raises(WindowError, match="already has a non-zero gradient") as caught:
+        acc.finish()
+    assert "handed out" not in str(caught.value)
+    acc.discard()
+
+
+def test_without_a_version_counter_the_generic_advice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradagg.torch.accumulate import stale
+
+    monkeypatch.setattr(stale, "version", lambda t: None)
+    model = _model()
+    acc = MicrobatchAccumulator(model)
+    _run(acc, model, _batch(0))
+    acc.finish()
+    with pytest.raises(WindowError, match="already has a non-zero gradient yet this rank ran no microbatch"):
+        acc.finish()
+    acc.discard()

@@ -7,8 +7,10 @@ rank raises, or succeeds, together.
 
 from __future__ import annotations
 
+import weakref
+
 from gradagg.errors import NonFiniteGradientError, WindowError
-from gradagg.torch.accumulate import hooks, opening, terms_after
+from gradagg.torch.accumulate import hooks, opening, stale, terms_after
 from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.flat import Counts, real_dtype
 from gradagg.torch.accumulate.ledger import DIVIDED, NONE, TERMS, WEIGHTED, WEIGHTING, Ledger
@@ -161,6 +163,9 @@ def _install(state: State, counts: Counts, divisor: float) -> None:
             view = layout.full_view(w.flat, i)
             same = layout.dtype == real_dtype(t.dtype) and t.device == layout.device
             t.grad = view if same else view.to(device=t.device, dtype=t.dtype)
+    # what was handed out, to tell a second finish() apart from other gradients left before a window
+    state.handed = {i: (weakref.ref(g), stale.version(g))
+                    for i, t in enumerate(state.tensors) if (g := t.grad) is not None}
 
 
 def _new_window(state: State) -> None:

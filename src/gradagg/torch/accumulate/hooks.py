@@ -39,6 +39,8 @@ def on_grad(state: State, i: int, param: torch.Tensor) -> None:
     if not w.in_microbatch:
         if w.open:
             w.fail(OUTSIDE, f"parameter {state.names[i]!r} got a gradient outside microbatch() (not counted in M)")
+        elif w.outside is None:  # left in .grad: the opening refuses it, and names this as the cause
+            w.outside = state.names[i]
         return
     grad = param.grad
     if state.takes(i) and grad is not None and w.flat is not None and w.sender is not None:

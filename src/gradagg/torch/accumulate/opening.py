@@ -33,7 +33,7 @@ def open_window(state: State, *, empty: bool = False) -> None:
     check_layout(state)
     held = stale.take_zeroed(state)
     if held is not None:
-        w.fail(STALE, stale.why(held, empty))
+        w.fail(STALE, stale.why(held, empty, stale.cause(state, held)))
     w.open = True
     state.wrapper.open(state)
     groups = state.wrapper.groups(state.group)

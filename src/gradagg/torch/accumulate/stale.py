@@ -57,8 +57,45 @@ def _nonzero(grads: list[torch.Tensor]) -> list[bool]:
     return out
 
 
-def why(name: str, empty: bool) -> str:
-    """The refusal's text on the rank that held the gradient."""
+HANDED, OUTSIDE = "handed", "outside"
+
+
+def cause(state: State, name: str) -> str | None:
+    """Why ``name`` holds a gradient as the window opens, where the accumulator can tell: ``HANDED`` (the very
+    gradient the last ``finish()`` handed out, unchanged since), ``OUTSIDE`` (a backward outside ``microbatch()``
+    reached a parameter), else None (the generic advice)."""
+    if name in state.names:
+        i = state.names.index(name)
+        ref, handed_version = state.handed.get(i, (None, None))
+        grad = state.tensors[i].grad
+        now = None if grad is None else version(grad)
+        if ref is not None and ref() is grad and now is not None and now == handed_version:
+            return HANDED
+    return OUTSIDE if state.window.outside is not None else None
+
+
+def version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter: private (``Tensor._version``), read only to name a refusal; None where it is
+    missing, and the refusal then gives the generic advice (no public API tells that a tensor was written in place,
+    as ``zero_grad(set_to_none=False)`` and a write after it do)."""
+    v = getattr(t, "_version", None)
+    return v if isinstance(v, int) else None
+
+
+def why(name: str, empty: bool, known: str | None = None) -> str:
+    """The refusal's text on the rank that held the gradient (``known``: its :func:`cause`, if any)."""
+    if known == HANDED:
+        when = ("this rank ran no microbatch since: a second finish() for one window, or" if empty
+                else "as the window opens: were")
+        return (
+            f"parameter {name!r} still holds the gradient the last finish() handed out, and {when} the gradients not "
+            "zeroed after the step? Call finish() once per window and optimizer.zero_grad() after each step"
+        )
+    if known == OUTSIDE:
+        return (
+            f"parameter {name!r} has a gradient from before the window: a backward ran outside microbatch(), so no "
+            "microbatch counts it; run each backward inside `with acc.microbatch(...)`"
+        )
     where = "yet this rank ran no microbatch" if empty else "when the accumulation window opens"
     return (
         f"parameter {name!r} already has a non-zero gradient {where}: it would be summed into this window's; "
@@ -66,4 +103,4 @@ def why(name: str, empty: bool) -> str:
     )
 
 
-__all__ = ["clear_zeroed", "take_zeroed", "why"]
+__all__ = ["HANDED", "OUTSIDE", "cause", "clear_zeroed", "take_zeroed", "version", "why"]

@@ -10,6 +10,7 @@ the state holds only what every wrapper shares. The fixed part (parameters, grou
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,8 @@ class State:
             it travels with the window's counters so that ranks finishing different accumulators all refuse.
         site: where the user's code built it (``file:line``), to name it in messages.
         finished: windows finished so far (the same count on every rank), read by the guard.
+        handed: index -> the gradient the last ``finish()`` handed out (a weak reference) and its version, to name a
+            refusal (see :func:`.stale.cause`).
         span: the group's global ranks, the mesh dims counted over (``mesh=``) and those FSDP2 reduces over.
     """
 
@@ -87,6 +90,7 @@ class State:
     padded_last: int = 0
     identity: tuple[int, int] = (0, 0)
     finished: int = 0
+    handed: dict[int, tuple[weakref.ref[torch.Tensor], int | None]] = field(default_factory=dict)
     site: str = "?"
     superseded: str | None = None  # where the newer accumulator that closed this one was built (see .lifetime)
     span: Span = Span()

@@ -80,6 +80,7 @@ class Window:
     # set by microbatches()' look-ahead: whether the next microbatch is the rank's last. Window state, so that a
     # loop that left microbatches() early (continue past its last item, break) leaves nothing to the next window
     next_last: bool | None = None
+    outside: str | None = None  # the first parameter a backward outside microbatch() reached before it opened
 
     def __post_init__(self) -> None:
         self.participation = [0] * self.params
