@@ -372,3 +372,11 @@ def test_a_float64_model_whose_loss_casts_to_float32_is_judged_at_float32_round_
     assert not o["passed"] and o["ratio"] is None, o
     assert o["diagnosis"].startswith("round-off, not a weighting mistake: "), o
     assert "float32" in o["diagnosis"] and "mean of" not in o["diagnosis"], o
+
+
+def test_a_mean_loss_given_a_weight_is_named_first() -> None:
+    """The README's warning, named in the diagnosis: a mean loss with weight=n is divided twice."""
+    report = check_parity(_fixture("mean_loss_with_weight"), [(4, 4)], **FAST)
+    (o,) = report.observations
+    assert not o["passed"] and o["ratio"] is None, o
+    assert "(a mean loss given weight=n, divided twice" in o["diagnosis"], o

@@ -218,7 +218,8 @@ def _scale(layout: Layout, truth: Truth, grads: Grads, rtol: float) -> tuple[flo
         return ratio, ratio_text(ratio, len(layout), sum(layout), rtol)
     return None, (f"no single factor: projected on the truth, the gradients are {lo:.3g}x to {hi:.3g}x it per "
                   "parameter and point elsewhere: the microbatches or ranks are weighted unlike the full batch "
-                  "(a mean of per-microbatch or per-rank means?)")
+                  "(a mean loss given weight=n, divided twice where weight= needs the summed loss? a mean of "
+                  "per-microbatch or per-rank means?)")
 
 
 def _explains_the_rest(truth: Truth, grads: Grads, ratio: float, rtol: float) -> bool:
