@@ -199,6 +199,26 @@ def test_a_chunk_listed_in_two_row_groups_is_refused(tmp_path: Path, cli: Any, l
     assert err.startswith(f"gradagg: error: {bad}: {CROSS_LISTINGS[listing]}") and err.count("\n") == 1, err
 
 
+def test_chunks_of_two_row_groups_shared_out_with_the_schemas_paths_are_refused(tmp_path: Path) -> None:
+    """Issue 22's class across row groups: the file's 8 chunks shared out between its 2 row groups, each group's in
+    the order of their data, each given the schema's path at its place (the second group lists the first's workers):
+    pyarrow read owner ids as workers and printed `[]`, exit 0. Refused: data before the previous group's."""
+    columns = {"shard_id": [1, 2, 3, 4], "worker_id": [0] * 4, "owner_id": [0] * 4, "gradient": [10, 20, 5, 7]}
+    src = write(tmp_path, "rows.parquet", columns, row_group_size=2)
+
+    def share_out(meta: Struct) -> None:
+        first, second = (group[1][1][1] for group in row_groups(meta))
+        pool = first + second
+        paths = [chunk[3][1][3] for chunk in first]
+        first[:], second[:] = ([copy.deepcopy(pool[k]) for k in ks] for ks in ((0, 2, 4, 6), (1, 3, 5, 7)))
+        for chunk, path in [*zip(first, paths), *zip(second, paths)]:
+            chunk[3][1][3] = path
+
+    bad = patch_footer(src, tmp_path / "shared.parquet", share_out)
+    refused(owner_sum, bad, "row group 1: the data of column 'shard_id' lies before the data of column 'gradient' of "
+                            "row group 0")
+
+
 def test_a_mean_chunk_listed_in_two_row_groups_is_refused(tmp_path: Path) -> None:
     src = write(tmp_path, "mean.parquet", MEAN, row_group_size=2)
     bad = patch_footer(src, tmp_path / "relisted.parquet",
