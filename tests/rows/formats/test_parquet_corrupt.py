@@ -167,6 +167,65 @@ def test_chunks_listed_anywhere_with_the_schemas_paths_are_refused_or_right(tmp_
     assert refusals, "no listing was refused: the listings missed the chunks"
 
 
+# --- a chunk listed in two row groups, its path right -----------------------------------------------------------
+
+
+CROSS_LISTINGS = {  # (row group that lists it, column, row group whose chunk it is): what the refusal says
+    (0, 3, 1): "row group 1: the data of column 'shard_id' lies before the data of column 'gradient' of row group 0",
+    (1, 0, 0): "row group 1: the data of column 'shard_id' lies before the data of column 'gradient' of row group 0",
+    (1, 3, 0): "row group 1: the data of column 'gradient' lies before the data of column 'owner_id' ",
+}
+
+
+@pytest.mark.parametrize("listing", sorted(CROSS_LISTINGS))
+def test_a_chunk_listed_in_two_row_groups_is_refused(tmp_path: Path, cli: Any, listing: tuple[int, int, int]) -> None:
+    """Issue 30: a row group lists another row group's chunk of the same column, every chunk's path right: pyarrow
+    read that chunk for both groups (the first group's shard ids paired with the second group's gradients:
+    ``[[1, 5], [2, 7], [3, 5], [4, 7]]``, exit 0). Each row group's chunks must lie after the previous group's:
+    refused by the library and by the command line (one line, exit 2, nothing on standard output)."""
+    into, column, source = listing
+    columns = {"shard_id": [1, 2, 3, 4], "worker_id": [0] * 4, "owner_id": [0] * 4, "gradient": [10, 20, 5, 7]}
+    src = write(tmp_path, "rows.parquet", columns, row_group_size=2)
+    assert owner_sum(src) == [[1, 10], [2, 20], [3, 5], [4, 7]]
+
+    def relist(meta: Struct) -> None:
+        groups = row_groups(meta)
+        groups[into][1][1][1][column] = copy.deepcopy(groups[source][1][1][1][column])
+
+    bad = patch_footer(src, tmp_path / "relisted.parquet", relist)
+    refused(owner_sum, bad, CROSS_LISTINGS[listing])
+    status, out, err = cli("owner-sum", str(bad))
+    assert (status, out) == (2, ""), (status, out, err)
+    assert err.startswith(f"gradagg: error: {bad}: {CROSS_LISTINGS[listing]}") and err.count("\n") == 1, err
+
+
+def test_chunks_of_two_row_groups_shared_out_with_the_schemas_paths_are_refused(tmp_path: Path) -> None:
+    """Issue 22's class across row groups: the file's 8 chunks shared out between its 2 row groups, each group's in
+    the order of their data, each given the schema's path at its place (the second group lists the first's workers):
+    pyarrow read owner ids as workers and printed `[]`, exit 0. Refused: data before the previous group's."""
+    columns = {"shard_id": [1, 2, 3, 4], "worker_id": [0] * 4, "owner_id": [0] * 4, "gradient": [10, 20, 5, 7]}
+    src = write(tmp_path, "rows.parquet", columns, row_group_size=2)
+
+    def share_out(meta: Struct) -> None:
+        first, second = (group[1][1][1] for group in row_groups(meta))
+        pool = first + second
+        paths = [chunk[3][1][3] for chunk in first]
+        first[:], second[:] = ([copy.deepcopy(pool[k]) for k in ks] for ks in ((0, 2, 4, 6), (1, 3, 5, 7)))
+        for chunk, path in [*zip(first, paths), *zip(second, paths)]:
+            chunk[3][1][3] = path
+
+    bad = patch_footer(src, tmp_path / "shared.parquet", share_out)
+    refused(owner_sum, bad, "row group 1: the data of column 'shard_id' lies before the data of column 'gradient' of "
+                            "row group 0")
+
+
+def test_a_mean_chunk_listed_in_two_row_groups_is_refused(tmp_path: Path) -> None:
+    src = write(tmp_path, "mean.parquet", MEAN, row_group_size=2)
+    bad = patch_footer(src, tmp_path / "relisted.parquet",
+                       lambda m: row_groups(m)[0][1][1][1].__setitem__(1, copy.deepcopy(row_groups(m)[1][1][1][1][1])))
+    refused(mean, bad, "row group 1: the data of column 'mb0' lies before the data of column 'mb1' of row group 0")
+
+
 # --- a row group with fewer (or more) column chunks than the schema -----------------------------------------
 
 

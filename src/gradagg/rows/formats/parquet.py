@@ -33,8 +33,9 @@ row is read, every row group must list one column chunk per schema column and
 the row groups must add up to the file's rows; before any row of a row group is
 handed on, each chunk read must be the schema's column at that place (pyarrow
 reads chunks by position: a reordered chunk would swap columns), by its path
-and by where its data lies (a row group's chunks lie in the schema's order,
-one after another, as every writer lays them out), and a flat
+and by where its data lies (the row groups one after another, each group's
+chunks in the schema's order, as every writer lays them out: a chunk listed
+in two row groups would be read for both), and a flat
 column's chunk must hold as many values as the row group declares rows; and the
 row group must decode to the rows it declares. Page checksums are verified
 where the writer wrote them. pyarrow's own errors come back as a
@@ -187,7 +188,13 @@ def check_footer(meta: pq.FileMetaData, source: str = "input") -> None:
         raise FormatError(f"{source}: the row groups hold {rows} rows but the footer declares {meta.num_rows}")
 
 
-def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, source: str = "input") -> None:
+Placed = tuple[int, str, int, int]
+"""Where a chunk read lies: its row group, its column's path, and its data's byte range (start, end)."""
+
+
+def check_row_group(
+    meta: pq.FileMetaData, i: int, names: list[str] | None, source: str = "input", after: Placed | None = None
+) -> Placed | None:
     """Refuse row group ``i`` where a chunk of the columns read is not what the schema says is there.
 
     Args:
@@ -195,22 +202,27 @@ def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, sour
         i: the row group, already decoded by pyarrow (so its chunks' metadata is sound).
         names: the top-level columns read (None: all).
         source: the file name, for messages.
+        after: where the last chunk read of the previous row groups lies (what this function returned for them).
+
+    Returns:
+        Where the last chunk read of this row group lies (``after`` when it has none with data), for the next.
 
     Raises:
         FormatError: a chunk listed at another column's place (pyarrow reads chunks by position: the
             columns would be swapped), whether its path says so or its data's place in the file (data out of
-            the schema's order, or two chunks on the same bytes), or a flat column's chunk holding another
-            number of values than the row group declares rows.
+            the schema's order, data before the previous row group's, or two chunks on the same bytes: one
+            chunk listed twice, in one row group or two), or a flat column's chunk holding another number of
+            values than the row group declares rows.
     """
     group, schema = meta.row_group(i), meta.schema
-    before: tuple[str, int, int] | None = None  # the previous column read: its path and its data's byte range
+    before = after  # the previous chunk read, in this row group or an earlier one
     for j in range(meta.num_columns):
         column = schema.column(j)
         if names is not None and column.path.split(".")[0] not in names:
             continue
         chunk = group.column(j)
         if group.num_rows:  # (an empty group's chunks have no data page: pyarrow writes offset 0 for each)
-            before = _check_data_order(chunk, column.path, before, f"{source}: row group {i}")
+            before = _check_data_order(chunk, (i, column.path), before, f"{source}: row group {i}")
         if chunk.path_in_schema != column.path:
             raise FormatError(
                 f"{source}: row group {i} lists the chunk of column {chunk.path_in_schema!r} where the schema "
@@ -221,28 +233,37 @@ def check_row_group(meta: pq.FileMetaData, i: int, names: list[str] | None, sour
                 f"{source}: row group {i} declares {group.num_rows} rows but its column {column.path!r} holds "
                 f"{chunk.num_values} values; the file is corrupt"
             )
+    return before
 
 
-def _check_data_order(chunk: Any, path: str, before: tuple[str, int, int] | None, where: str) -> tuple[str, int, int]:
-    """Refuse a chunk whose data starts before the end of the previous column's: return its path and byte range.
+def _check_data_order(chunk: Any, column: tuple[int, str], before: Placed | None, where: str) -> Placed:
+    """Refuse a chunk whose data starts before the end of the previous chunk read: return where it lies.
 
     A chunk's path can be rewritten to the schema's at its place while its offsets still point at another
-    column's data (pyarrow then reads shard ids as gradients); every writer lays a row group's chunks out in
-    the schema's order, one after another, so data out of that order, or two chunks on one place, is refused.
+    column's data (pyarrow then reads shard ids as gradients), and a row group can list another group's chunk,
+    its path right (pyarrow then reads that chunk for both groups' rows); every writer lays the row groups out
+    one after another, each group's chunks in the schema's order, so data out of that order, or two chunks on
+    one place, is refused.
     """
     start = chunk.data_page_offset  # where pyarrow starts reading the chunk (its ComputeColumnChunkRange)
     dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
     if dictionary is not None and 0 < dictionary < start:
         start = dictionary
     end = start + chunk.total_compressed_size
-    if before is not None and start < before[2]:
-        place = "before" if start < before[1] else "within"
+    group, path = column
+    if before is not None and start < before[3]:
+        place = "before" if start < before[2] else "within"
+        if before[0] == group:
+            of, why = "", "the chunks are listed in another order than their data, and read by position the columns"
+            why += " would be swapped"
+        else:
+            of, why = f" of row group {before[0]}", "a chunk listed in two row groups, or row groups listed in another"
+            why += " order than their data, would pair rows that are not rows of the file"
         raise FormatError(
-            f"{where}: the data of column {path!r} lies {place} the data of column {before[0]!r} (bytes "
-            f"{start}..{end} and {before[1]}..{before[2]}); the chunks are listed in another order than their "
-            "data, and read by position the columns would be swapped"
+            f"{where}: the data of column {path!r} lies {place} the data of column {before[1]!r}{of} (bytes "
+            f"{start}..{end} and {before[2]}..{before[3]}); {why}"
         )
-    return path, start, end
+    return group, path, start, end
 
 
 def _largest_row_group(pf: pq.ParquetFile) -> int:
@@ -314,6 +335,7 @@ def _record_batches(
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     whole = [rows * max(1, row_bytes) <= 8 * _BATCH_BYTES for rows in sizes]
     tables = _decoded_ahead(pf, columns, [i for i, w in enumerate(whole) if w])
+    placed: Placed | None = None  # where the last chunk read lies: each row group's must lie after it
     for i, rows in enumerate(sizes):
         if whole[i]:
             batches: Iterator[pa.RecordBatch] = iter(next(tables).to_batches())
@@ -321,7 +343,7 @@ def _record_batches(
             size = max(1024, _BATCH_BYTES // max(1, row_bytes))
             batches = pf.iter_batches(batch_size=size, row_groups=[i], columns=columns, use_threads=True)
         first = next(batches, None)  # decoded: pyarrow has read (and vetted) the chunks' metadata
-        check_row_group(meta, i, columns, source)
+        placed = check_row_group(meta, i, columns, source, placed)
         decoded = 0
         for batch in itertools.chain([] if first is None else [first], batches):
             decoded += batch.num_rows
