@@ -15,7 +15,7 @@ from gradagg.torch.accumulate.lifetime import group_ranks
 from gradagg.torch.accumulate.stale import clear_zeroed
 from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
-from gradagg.torch.pipeline import failures
+from gradagg.torch.pipeline import failures, waits
 from gradagg.torch.pipeline.agreement import check_schedule
 from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
 from gradagg.torch.pipeline.grads import reduce_and_divide
@@ -66,6 +66,8 @@ class PipelineAccumulator:
         check_same_on_all_ranks(entries,
                                 "the parameters of a stage's replicas", self.dp_group)
         self._counts = Counts()
+        # the schedule's point-to-point waits are bounded by the collective timeout (see pipeline/waits.py)
+        self.timeout = waits.step_timeout(self.pp_group, *(s.group for s in self.stages))
 
     def loss(self, fn: CountedLoss) -> Callable[..., torch.Tensor]:
         """The ``loss_fn`` to build the schedule with: ``fn(output, target)`` returns ``(loss sum, count)``.
@@ -110,7 +112,9 @@ class PipelineAccumulator:
                 with ``loss_fn=pipe.loss(fn)``), D = 0, beyond float64 or outside what a stage's gradients' dtype can be
                 divided by (D beyond float32 with float32 gradients), or the loss function failed on some
                 microbatch (naming it, the rank and the error). A failure inside
-                the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
+                the schedule itself (a stage's forward) is a WindowError on the rank where it happened, and on its
+                peer stages once their point-to-point waits fail: each is bounded by the collective timeout (the
+                shorter of the default group's and the pipeline group's: :mod:`gradagg.torch.pipeline.waits`).
             CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
                 schedule class, ``n_microbatches`` or the stages (one small all_gather_object per step); a
                 collective failed or timed out.
@@ -125,7 +129,8 @@ class PipelineAccumulator:
         scale = schedule.scale_grads
         schedule.scale_grads = False
         try:
-            schedule.step(*args, losses=losses, **kwargs)
+            with waits.bounded(self.timeout):
+                schedule.step(*args, losses=losses, **kwargs)
         except GradaggError:
             self._drop()
             raise

@@ -44,9 +44,8 @@ def schedule_failure(exc: BaseException, pp: Group) -> WindowError:
 
     torch wraps a stage's exception (``[Stage 0] failed to run forward``): the message names the first
     cause too. Only this rank knows: a peer stage waiting for this one's sends learns of it when this
-    process ends (its point-to-point receive then fails, and becomes this same error there); torch's
-    point-to-point waits are not bounded by the collective timeout, so a process that catches this error and
-    lives on leaves its peers waiting.
+    process ends (its point-to-point receive then fails, and becomes this same error there) or, if it lives on,
+    when the collective timeout ends that receive (:mod:`.waits` bounds each of the step's waits).
     """
     cause, seen = exc, {id(exc)}
     while cause.__cause__ is not None and id(cause.__cause__) not in seen:
