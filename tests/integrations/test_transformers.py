@@ -59,8 +59,13 @@ CASES: dict[str, hf.Case] = {
     "exact/fsdp_avg_off": {"exact": True, "fsdp": True, "avg_tokens": False},
     "native/fsdp_avg_off": {"fsdp": True, "avg_tokens": False},
     "exact/fsdp_clip": {"exact": True, "fsdp": True, "clip": CLIP},
+    # even_batches=False, 9 microbatches dealt out: rank 0 runs 5, rank 1 4, both in 2 steps (rank 1's last window
+    # of 1 beside rank 0's of 2): exact, not refused
+    "exact/uneven_microbatches": {"exact": True, "even_batches": False, "rows": 18},
     # refusals last: a failed window leaves nothing behind, but the cases above need not rely on it
     "refused/tagging_without_weight": {"exact": True, "loss": "tagging"},
+    # even_batches=False, 7 microbatches: rank 0 runs 4 (2 steps), rank 1 3 (1 step)
+    "refused/uneven_steps": {"exact": True, "even_batches": False, "rows": 14},
 }
 # A count that cannot count, on one rank only: two chosen (a full window, the short last one), then a seeded
 # draw of rank, microbatch and value
@@ -91,7 +96,8 @@ def test_what_the_trainer_built(world: dict[str, Any]) -> None:
             assert (got["wrapped"], got["param_type"]) == ("FSDPLlamaForCausalLM", "DTensor"), name
         else:
             assert got["wrapped"] == "DistributedDataParallel", name
-        assert [s["sequences"] for s in got["steps"]] == [12, 8], name
+        want = [12, 6] if case.get("even_batches") is False else [12, 8]  # uneven: windows of 3 + 3, then 2 + 1
+        assert [s["sequences"] for s in got["steps"]] == want, name
 
 
 @pytest.mark.parametrize("config", EXACT)
@@ -171,6 +177,18 @@ def test_a_count_that_cannot_count_is_refused_on_every_rank(world: dict[str, Any
         assert "discard()" not in r, (where, r)  # exact() dropped the window itself
     mine = refused[bad["rank"]]
     assert f"microbatch {microbatch} has weight {value}: a weight must be finite and non-negative" in mine, where
+
+
+def test_ranks_with_different_steps_per_epoch_are_refused_on_every_rank(world: dict[str, Any]) -> None:
+    """even_batches=False with 7 microbatches of 2 sequences: rank 0 would run 2 optimizer steps, rank 1 one (its
+    finish() would pair with rank 0's next window): refused on both ranks at the start of train(), naming both
+    counts. Ranks with different microbatches in as many steps train exactly (exact/uneven_microbatches)."""
+    refused = world["refused/uneven_steps"]["refused"]
+    assert len(refused) == 2, refused
+    for r in refused:
+        assert r.startswith("GradaggError: exact() cannot train this Trainer on ranks with different numbers of "
+                            "optimizer steps per epoch"), r
+        assert "rank 0: 2 step(s) of 4 microbatch(es), rank 1: 1 step(s) of 3 microbatch(es)" in r, r
 
 
 def test_not_a_trainer_is_refused() -> None:
