@@ -191,6 +191,35 @@ def test_ranks_with_different_steps_per_epoch_are_refused_on_every_rank(world: d
         assert "rank 0: 2 step(s) of 4 microbatch(es), rank 1: 1 step(s) of 3 microbatch(es)" in r, r
 
 
+def test_uneven_steps_against_the_trainers_loop() -> None:
+    """Seeded (seed 3031): 300 draws of 2-4 ranks' loader lengths (0-9, or unknown), a window of 1-4 and even_batches:
+    refused exactly where the Trainer's epoch loop, walked in plain Python (a step at every window-th microbatch and
+    at the epoch's last; one step for an empty epoch), gives the ranks different step counts, or where a length is
+    unknown with even_batches=False or beside known ones. Every class was drawn, and the check catches the wrong
+    rule (refusing different microbatch counts)."""
+    from gradagg.integrations.transformers import uneven_steps
+
+    def loop_steps(n: int, window: int) -> int:
+        return max(sum(1 for k in range(1, n + 1) if k % window == 0 or k == n), 1)
+
+    seed = 3031
+    rng, drawn = random.Random(seed), dict.fromkeys(["same", "microbatches differ", "steps differ", "unknown"], 0)
+    for draw in range(300):
+        ranks, window, even = rng.randint(2, 4), rng.randint(1, 4), rng.random() < 0.5
+        lengths = [None if rng.random() < 0.1 else rng.randint(0, 9) for _ in range(ranks)]
+        known = [n for n in lengths if n is not None]
+        steps = {loop_steps(n, window) for n in known}
+        cls = ("unknown" if None in lengths else "steps differ" if len(steps) > 1
+               else "microbatches differ" if len(set(known)) > 1 else "same")
+        drawn[cls] += 1
+        want = len(steps) > 1 or (None in lengths and (not even or bool(known)))
+        got = uneven_steps(lengths, window, even)
+        assert (got is not None) == want, (seed, draw, lengths, window, even, got)
+        if cls == "microbatches differ":
+            assert len(set(known)) > 1 and got is None  # the wrong rule would refuse these
+    assert all(drawn.values()), drawn
+
+
 def test_not_a_trainer_is_refused() -> None:
     from gradagg.integrations.transformers import exact
 

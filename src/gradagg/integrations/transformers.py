@@ -361,8 +361,8 @@ def _check_even_steps(trainer: Any, loader: Any) -> None:
     ``even_batches=False`` deals the batches out in turn): ``ceil(len(loader) / gradient_accumulation_steps)``.
     The ranks' lengths are gathered once, here, before the first microbatch (every rank reaches
     ``on_train_begin``). Ranks that run different numbers of microbatches in as many steps are exact (a window's
-    counts may differ per rank). A loader without a length, with ``even_batches=False``, is refused: its epochs
-    cannot be compared.
+    counts may differ per rank). A loader without a length is refused with ``even_batches=False``, or beside ranks
+    whose loaders have one: its epochs cannot be compared (:func:`uneven_steps`).
 
     Raises:
         GradaggError: on every rank, naming each rank's steps and microbatches per epoch.
@@ -377,17 +377,33 @@ def _check_even_steps(trainer: Any, loader: Any) -> None:
     except TypeError:  # an IterableDataset's loader (or none): no length
         length = None
     every: list[Any] = all_gather_object(length)
-    steps = [None if n is None else max(-(-n // window), 1) for n in every]  # transformers' steps per epoch
-    unknown = None in every and not getattr(trainer.accelerator, "even_batches", True)
-    if len(set(steps)) > 1 or unknown:
-        counts = ", ".join(f"rank {r}: {'unknown' if n is None else f'{k} step(s) of {n} microbatch(es)'}"
-                           for r, (k, n) in enumerate(zip(steps, every)))
+    counts = uneven_steps(every, window, bool(getattr(trainer.accelerator, "even_batches", True)))
+    if counts is not None:
         raise GradaggError(
             f"exact() cannot train this {type(trainer).__name__} on ranks with different numbers of optimizer steps "
             f"per epoch ({counts}; gradient_accumulation_steps={window}): every step's finish() is a collective "
             "over all ranks, and a rank with a step more would meet the others' next window; keep Accelerate's "
             "even_batches=True (accelerator_config), or give every rank as many batches"
         )
+
+
+def uneven_steps(lengths: list[int | None], window: int, even_batches: bool) -> str | None:
+    """Each rank's optimizer steps and microbatches per epoch, where the ranks would not run as many steps; else None.
+
+    A rank's steps: ``max(ceil(length / window), 1)``, as transformers counts them (``set_initial_training_values``).
+    Lengths not known (None): uneven with ``even_batches=False``, or where other ranks' are known (a mix cannot be
+    compared); on every rank with ``even_batches=True``, every rank runs ``max_steps`` (Accelerate evens the batches).
+
+    >>> uneven_steps([4, 3], 3, False)
+    'rank 0: 2 step(s) of 4 microbatch(es), rank 1: 1 step(s) of 3 microbatch(es)'
+    >>> uneven_steps([5, 4], 3, False) is None
+    True
+    """
+    steps = [None if n is None else max(-(-n // window), 1) for n in lengths]
+    if len(set(steps)) > 1 or (None in steps and not even_batches):
+        return ", ".join(f"rank {r}: {'unknown' if n is None else f'{k} step(s) of {n} microbatch(es)'}"
+                         for r, (k, n) in enumerate(zip(steps, lengths)))
+    return None
 
 
 def _check_trainer(trainer: Any) -> None:
