@@ -2,8 +2,9 @@
 
 The model, :class:`Noisy`, draws from the RNG (dropout) and keeps plain Python attributes its forward changes:
 an ``int`` counter rebound at every call and read by the forward (a wrong count moves the gradients), a list it
-appends to, a dict it writes into, and a plain tensor attribute it adds to in place. ``fully_shard`` on each block
-and the root, float64. Each rank seeds its RNG with ``SEED + rank`` after building the model.
+appends to, a dict it writes into, and a plain tensor attribute and a plain DTensor one it adds to in place.
+``fully_shard`` on each block and the root, float64. Each rank seeds its RNG with ``SEED + rank`` after building
+the model.
 
 The one-process truth keeps one plain replica per rank with its own RNG stream (the state saved and put back
 around each replica's microbatches): replica r runs only rank r's real microbatches, in order, so what it draws,
@@ -40,12 +41,14 @@ class Dropping(nn.Module):
         self.seen: list[int] = []  # appended to
         self.rows: dict[str, int] = {}  # written into
         self.total = torch.zeros(())  # a plain tensor attribute (no buffer), added to in place
+        self.spread: Any = torch.zeros(2)  # a DTensor (Replicate) on the sharded model: put back without a collective
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         self.seen.append(x.shape[0])
         self.rows["last"] = x.shape[0]
         self.total += x.shape[0]
+        self.spread.add_(x.shape[0])
         return torch.tanh(self.drop(self.lin(x)) * (1 + 0.01 * self.calls))
 
 
@@ -65,17 +68,21 @@ class Noisy(nn.Module):
 
 def sharded(mesh: Any) -> Noisy:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     model = Noisy()
     for block in model.blocks:
+        block.spread = distribute_tensor(torch.zeros(2), mesh, [Replicate()])
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
 def attributes(model: nn.Module) -> list[Any]:
-    """What each block's forward changed: its count, its list, its dict, its tensor's value."""
-    return [(b.calls, list(b.seen), dict(b.rows), float(b.total)) for b in model.blocks]  # type: ignore[union-attr]
+    """What each block's forward changed: its count, its list, its dict, its tensors' values."""
+    local = [getattr(b.spread, "to_local", lambda s=b.spread: s)() for b in model.blocks]  # type: ignore[union-attr]
+    return [(b.calls, list(b.seen), dict(b.rows), float(b.total), local[k].tolist())  # type: ignore[union-attr]
+            for k, b in enumerate(model.blocks)]
 
 
 def truth(plans: list[list[int]]) -> tuple[list[dict[str, torch.Tensor]], list[list[list[Any]]]]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate.state import State
+from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
@@ -225,7 +226,9 @@ def _contents(value: object) -> object:
 
 def _put_back(value: Any, contents: Any) -> None:
     if isinstance(value, torch.Tensor):
-        if contents is not None and value.shape == contents.shape:
+        # only where the values changed: an in-place write bumps the tensor's version, which a graph that saved it
+        # (an attribute kept from the last real microbatch) would refuse at its backward
+        if contents is not None and value.shape == contents.shape and not torch.equal(_local(value), _local(contents)):
             with torch.no_grad():
                 value.copy_(contents)
     elif isinstance(value, list):
@@ -233,6 +236,12 @@ def _put_back(value: Any, contents: Any) -> None:
     elif isinstance(value, dict | set):
         value.clear()
         value.update(contents)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (``torch.equal`` on DTensors gathers over their mesh: a collective only this padding
+    rank would issue), or ``t``."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
 
 
 @contextmanager
