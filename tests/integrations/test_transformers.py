@@ -59,8 +59,13 @@ CASES: dict[str, hf.Case] = {
     "exact/fsdp_avg_off": {"exact": True, "fsdp": True, "avg_tokens": False},
     "native/fsdp_avg_off": {"fsdp": True, "avg_tokens": False},
     "exact/fsdp_clip": {"exact": True, "fsdp": True, "clip": CLIP},
+    # even_batches=False, 9 microbatches dealt out: rank 0 runs 5, rank 1 4, both in 2 steps (rank 1's last window
+    # of 1 beside rank 0's of 2): exact, not refused
+    "exact/uneven_microbatches": {"exact": True, "even_batches": False, "rows": 18},
     # refusals last: a failed window leaves nothing behind, but the cases above need not rely on it
     "refused/tagging_without_weight": {"exact": True, "loss": "tagging"},
+    # even_batches=False, 7 microbatches: rank 0 runs 4 (2 steps), rank 1 3 (1 step)
+    "refused/uneven_steps": {"exact": True, "even_batches": False, "rows": 14},
 }
 # A count that cannot count, on one rank only: two chosen (a full window, the short last one), then a seeded
 # draw of rank, microbatch and value
@@ -91,7 +96,8 @@ def test_what_the_trainer_built(world: dict[str, Any]) -> None:
             assert (got["wrapped"], got["param_type"]) == ("FSDPLlamaForCausalLM", "DTensor"), name
         else:
             assert got["wrapped"] == "DistributedDataParallel", name
-        assert [s["sequences"] for s in got["steps"]] == [12, 8], name
+        want = [12, 6] if case.get("even_batches") is False else [12, 8]  # uneven: windows of 3 + 3, then 2 + 1
+        assert [s["sequences"] for s in got["steps"]] == want, name
 
 
 @pytest.mark.parametrize("config", EXACT)
@@ -171,6 +177,47 @@ def test_a_count_that_cannot_count_is_refused_on_every_rank(world: dict[str, Any
         assert "discard()" not in r, (where, r)  # exact() dropped the window itself
     mine = refused[bad["rank"]]
     assert f"microbatch {microbatch} has weight {value}: a weight must be finite and non-negative" in mine, where
+
+
+def test_ranks_with_different_steps_per_epoch_are_refused_on_every_rank(world: dict[str, Any]) -> None:
+    """even_batches=False with 7 microbatches of 2 sequences: rank 0 would run 2 optimizer steps, rank 1 one (its
+    finish() would pair with rank 0's next window): refused on both ranks at the start of train(), naming both
+    counts. Ranks with different microbatches in as many steps train exactly (exact/uneven_microbatches)."""
+    refused = world["refused/uneven_steps"]["refused"]
+    assert len(refused) == 2, refused
+    for r in refused:
+        assert r.startswith("GradaggError: exact() cannot train this Trainer on ranks with different numbers of "
+                            "optimizer steps per epoch"), r
+        assert "rank 0: 2 step(s) of 4 microbatch(es), rank 1: 1 step(s) of 3 microbatch(es)" in r, r
+
+
+def test_uneven_steps_against_the_trainers_loop() -> None:
+    """Seeded (seed 3031): 300 draws of 2-4 ranks' loader lengths (0-9, or unknown), a window of 1-4 and even_batches:
+    refused exactly where the Trainer's epoch loop, walked in plain Python (a step at every window-th microbatch and
+    at the epoch's last; one step for an empty epoch), gives the ranks different step counts, or where a length is
+    unknown with even_batches=False or beside known ones. Every class was drawn, and the check catches the wrong
+    rule (refusing different microbatch counts)."""
+    from gradagg.integrations.transformers import uneven_steps
+
+    def loop_steps(n: int, window: int) -> int:
+        return max(sum(1 for k in range(1, n + 1) if k % window == 0 or k == n), 1)
+
+    seed = 3031
+    rng, drawn = random.Random(seed), dict.fromkeys(["same", "microbatches differ", "steps differ", "unknown"], 0)
+    for draw in range(300):
+        ranks, window, even = rng.randint(2, 4), rng.randint(1, 4), rng.random() < 0.5
+        lengths = [None if rng.random() < 0.1 else rng.randint(0, 9) for _ in range(ranks)]
+        known = [n for n in lengths if n is not None]
+        steps = {loop_steps(n, window) for n in known}
+        cls = ("unknown" if None in lengths else "steps differ" if len(steps) > 1
+               else "microbatches differ" if len(set(known)) > 1 else "same")
+        drawn[cls] += 1
+        want = len(steps) > 1 or (None in lengths and (not even or bool(known)))
+        got = uneven_steps(lengths, window, even)
+        assert (got is not None) == want, (seed, draw, lengths, window, even, got)
+        if cls == "microbatches differ":
+            assert len(set(known)) > 1 and got is None  # the wrong rule would refuse these
+    assert all(drawn.values()), drawn
 
 
 def test_not_a_trainer_is_refused() -> None:

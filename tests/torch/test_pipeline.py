@@ -26,9 +26,12 @@ EXACT = 1e-14
 CASES = ["gpipe", "1f1b", "interleaved", "padded", "fewer"]
 
 
+TIMEOUT = 10.0  # the world's collective timeout, seconds
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_local_world(w.world, 4, collective_timeout_s=10.0, timeout_s=120.0)
+    return run_local_world(w.world, 4, collective_timeout_s=TIMEOUT, timeout_s=120.0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -105,6 +108,25 @@ def test_refused_on_every_rank(ranks: list[dict[str, Any]], what: str) -> None:
         out = r[f"refused_{what}"]
         assert out["raised"] is not None and words in out["raised"]
         assert out["all_none"]
+
+
+def test_a_stage_forward_failure_reaches_every_rank_of_every_replica(ranks: list[dict[str, Any]]) -> None:
+    """Replica 0's stage 0 raises in its forward, its process living on: all four ranks raise a WindowError, every
+    gradient None. Replica 1, whose step completed, learns of it in the count all-reduce over the data-parallel
+    groups, which the failing replica's ranks still join: its ranks name rank 0's cause and rank 1's timed-out
+    receive. Rank 1 names its own receive, ended by the collective timeout. Before, replica 1 waited in that
+    all-reduce for the data-parallel group's own timeout (torch's default: 30 minutes): the world missed its
+    deadline."""
+    timed_out = f"Timed out waiting {int(TIMEOUT * 1000)}ms for recv"
+    for rank, r in enumerate(ranks):
+        got = r["forward_failure"]
+        assert got["raised"] is not None and got["raised"][0] == "WindowError", (rank, got)
+        message = got["raised"][1]
+        if rank != 1:
+            assert "(global rank 0)" in message and "caused by ValueError: bad token ids" in message, (rank, got)
+        if rank != 0:
+            assert "(global rank 1)" in message and timed_out in message, (rank, got)
+        assert got["all_none"], (rank, got)
 
 
 # What the accumulator says of the same weights (the counts of tests.torch.workers.pipeline.BAD_COUNTS).

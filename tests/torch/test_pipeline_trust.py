@@ -97,15 +97,72 @@ def test_schedule_description_without_the_private_count() -> None:
     assert "num_stages" in str(disagreement([describe(object(), [stage(0)]), describe(object(), [stage(1, 3)])]))
 
 
-@pytest.mark.parametrize("kind", list(pw.SCHEDULES))
-def test_stage_forward_failure_is_a_gradagg_error_on_every_rank(kind: str) -> None:
+@pytest.fixture(scope="module", params=list(pw.SCHEDULES))
+def forward_failures(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, run_local_world(pt.forward_failures_world, 2, request.param, **WORLD)
+
+
+def test_stage_forward_failure_is_a_gradagg_error_on_every_rank(forward_failures: tuple[str, list[Any]]) -> None:
     """Stage 0's module raises on microbatch 2 (no stand-in can replace a stage's forward): rank 0 raises
     WindowError naming the cause; rank 1, whose receive breaks once rank 0's process has ended, a WindowError
-    too (not a raw gloo error), both quickly, every gradient None. (A failing process that lives on leaves
-    its peers in torch's receives, which the collective timeout does not bound: see pipeline/failures.py.)"""
-    ranks = run_local_world(pt.forward_failure_world, 2, kind, 0.0, **WORLD)
-    for r in ranks:
+    too (not a raw gloo error), both quickly, every gradient None."""
+    _, ranks = forward_failures
+    for r in (rank["ends"] for rank in ranks):
         assert r["failed"] is not None and r["failed"][0] == "WindowError", r
         assert r["failed"][2] < TIMEOUT + 5 and r["all_none"], r
-    assert "caused by ValueError: bad token ids" in ranks[0]["failed"][1]
-    assert "peer stage failed or left" in ranks[1]["failed"][1]
+    assert "caused by ValueError: bad token ids" in ranks[0]["ends"]["failed"][1]
+    assert "peer stage failed or left" in ranks[1]["ends"]["failed"][1]
+
+
+def test_stage_failure_in_a_process_that_lives_on_does_not_leave_its_peer_waiting(
+        forward_failures: tuple[str, list[Any]]) -> None:
+    """Stage 0's module raises on microbatch 2 and rank 0 lives on (it waits for rank 1 in a barrier of a group
+    with a long timeout): rank 1, in a receive from rank 0 over a pipeline group made by ``new_group`` without a
+    timeout (torch's default, 30 minutes), raises a WindowError of its own once the collective timeout bounds its
+    wait (gloo names it); every gradient None on both ranks. Without the bound the world misses its deadline."""
+    kind, ranks = forward_failures
+    for r in (rank["lives_on"] for rank in ranks):
+        assert r["failed"] is not None and r["failed"][0] == "WindowError", (kind, r)
+        assert r["all_none"], (kind, r)
+    assert "caused by ValueError: bad token ids" in ranks[0]["lives_on"]["failed"][1]
+    assert f"{int(TIMEOUT * 1000)}ms" in ranks[1]["lives_on"]["failed"][1], (kind, ranks[1])
+
+
+def test_the_bound_is_the_shorter_timeout_and_unreadable_ones_fall_back(
+        forward_failures: tuple[str, list[Any]]) -> None:
+    """The bound of a step's waits is the default group's timeout (the world's, 5 s) where the pipeline group has
+    torch's default (30 minutes); a group whose timeout cannot be read (torch's private getter gone) gives None."""
+    import datetime
+
+    _, ranks = forward_failures
+    for r in ranks:
+        got = r["timeouts"]
+        assert got["world"] == got["step"] == datetime.timedelta(seconds=TIMEOUT), got
+        assert got["pipeline"] == datetime.timedelta(minutes=30) and got["unreadable"] is None, got
+
+
+def test_bounded_leaves_torch_waits_where_it_cannot_bound_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No timeout known, or a torch without the schedules' wait function: the block runs with torch's own waits;
+    with one, the schedules wait with it inside the block and torch's function is back after it, even on error."""
+    import datetime
+
+    from torch.distributed.pipelining import schedules
+
+    from gradagg.torch.pipeline.waits import bounded
+
+    original = schedules._wait_batch_p2p
+    with bounded(None):
+        assert schedules._wait_batch_p2p is original
+    waited: list[object] = []
+
+    class Work:
+        def wait(self, timeout: object = None) -> None:
+            waited.append(timeout)
+
+    with pytest.raises(KeyError), bounded(datetime.timedelta(seconds=3)):
+        schedules._wait_batch_p2p([Work(), Work()])
+        raise KeyError("a failing step")
+    assert waited == [datetime.timedelta(seconds=3)] * 2 and schedules._wait_batch_p2p is original
+    monkeypatch.delattr(schedules, "_wait_batch_p2p")
+    with bounded(datetime.timedelta(seconds=3)):
+        assert not hasattr(schedules, "_wait_batch_p2p")

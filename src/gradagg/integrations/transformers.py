@@ -100,7 +100,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
             ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
             ``weight=`` or that :func:`gradagg.integrations._grpo.check_grpo` refuses; a model or
             ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
-            every rank: a TRL trainer whose ranks have different numbers of microbatches. During ``train()``: a
+            every rank: a TRL trainer whose ranks have different numbers of microbatches, another whose ranks have
+            different numbers of optimizer steps per epoch. During ``train()``: a
             count that is not a number (at once), or a negative, NaN or infinite one (``WindowError`` from the
             window's ``finish()``, on every rank).
     """
@@ -335,6 +336,8 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.hold.kind is not None:
             check_even_microbatches(self.hold.trainer, kwargs.get("train_dataloader"))
+        else:
+            _check_even_steps(self.hold.trainer, kwargs.get("train_dataloader"))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.hold.close()
@@ -347,6 +350,60 @@ class _FinishedGuard(TrainerCallback):  # type: ignore[misc]
                 "gradient would be unreduced and its clip skipped"
             )
         self.hold.finished = False
+
+
+def _check_even_steps(trainer: Any, loader: Any) -> None:
+    """Refuse, on every rank, a Trainer whose ranks would run different numbers of optimizer steps per epoch.
+
+    Each optimizer step's ``finish()`` is a collective over every rank: a rank with a step more would wait in it
+    for the others, which would have gone on to their next epoch (or ended ``train()``), and their next window's
+    collectives would pair with it. The Trainer counts an epoch's steps from its rank's own loader (Accelerate's
+    ``even_batches=False`` deals the batches out in turn): ``ceil(len(loader) / gradient_accumulation_steps)``.
+    The ranks' lengths are gathered once, here, before the first microbatch (every rank reaches
+    ``on_train_begin``). Ranks that run different numbers of microbatches in as many steps are exact (a window's
+    counts may differ per rank). A loader without a length is refused with ``even_batches=False``, or beside ranks
+    whose loaders have one: its epochs cannot be compared (:func:`uneven_steps`).
+
+    Raises:
+        GradaggError: on every rank, naming each rank's steps and microbatches per epoch.
+    """
+    from gradagg.torch.collectives import all_gather_object, get_world_size
+
+    if get_world_size() < 2:
+        return
+    window = trainer.args.gradient_accumulation_steps
+    try:
+        length: int | None = len(loader)
+    except TypeError:  # an IterableDataset's loader (or none): no length
+        length = None
+    every: list[Any] = all_gather_object(length)
+    counts = uneven_steps(every, window, bool(getattr(trainer.accelerator, "even_batches", True)))
+    if counts is not None:
+        raise GradaggError(
+            f"exact() cannot train this {type(trainer).__name__} on ranks with different numbers of optimizer steps "
+            f"per epoch ({counts}; gradient_accumulation_steps={window}): every step's finish() is a collective "
+            "over all ranks, and a rank with a step more would meet the others' next window; keep Accelerate's "
+            "even_batches=True (accelerator_config), or give every rank as many batches"
+        )
+
+
+def uneven_steps(lengths: list[int | None], window: int, even_batches: bool) -> str | None:
+    """Each rank's optimizer steps and microbatches per epoch, where the ranks would not run as many steps; else None.
+
+    A rank's steps: ``max(ceil(length / window), 1)``, as transformers counts them (``set_initial_training_values``).
+    Lengths not known (None): uneven with ``even_batches=False``, or where other ranks' are known (a mix cannot be
+    compared); on every rank with ``even_batches=True``, every rank runs ``max_steps`` (Accelerate evens the batches).
+
+    >>> uneven_steps([4, 3], 3, False)
+    'rank 0: 2 step(s) of 4 microbatch(es), rank 1: 1 step(s) of 3 microbatch(es)'
+    >>> uneven_steps([5, 4], 3, False) is None
+    True
+    """
+    steps = [None if n is None else max(-(-n // window), 1) for n in lengths]
+    if len(set(steps)) > 1 or (None in steps and not even_batches):
+        return ", ".join(f"rank {r}: {'unknown' if n is None else f'{k} step(s) of {n} microbatch(es)'}"
+                         for r, (k, n) in enumerate(zip(steps, lengths)))
+    return None
 
 
 def _check_trainer(trainer: Any) -> None:

@@ -12,7 +12,9 @@ A case is a dict: ``exact`` (apply :func:`gradagg.integrations.transformers.exac
 ``DistributedConfig(fsdp_size=2)``), ``loss`` (a ``compute_loss_func`` of :data:`LOSS_FUNCS`: ``"tagging"``, the
 mean over the unshifted labels; ``"tagging_div"`` and ``"tagging_or1"``, the same divided by
 ``num_items_in_batch``; ``"causal"``, transformers' causal LM loss; counted by ``weight=`` when ``weight`` is set),
-``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`).
+``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`), ``rows`` (the
+number of sequences, both ranks together, instead of 20) with ``even_batches`` (Accelerate's; False: a rank may run
+one microbatch more).
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def training_args(case: Case, out: str) -> Any:
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=7, lr_scheduler_type="constant",
         average_tokens_across_devices=case.get("avg_tokens", True), ddp_timeout=60,
     )
+    if "even_batches" in case:  # False: Accelerate deals the batches out in turn, a rank may get one more
+        options["accelerator_config"] = {"even_batches": case["even_batches"]}
     if case.get("trainer") == "sft":
         from trl import SFTConfig
 
@@ -195,7 +199,7 @@ def build_trainer(case: Case, out: str, checkpoint: str | None = None) -> Any:
     from transformers import Trainer
 
     model = _model(case, checkpoint)
-    rows = dataset_rows()
+    rows = tl.sequences(3, case["rows"]) if "rows" in case else dataset_rows()
     if case.get("trainer") == "sft":
         from datasets import Dataset
         from trl import SFTTrainer

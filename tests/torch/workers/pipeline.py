@@ -7,6 +7,7 @@ numbers (errors against the one-process oracle of tests.torch.workers.pipe_model
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +193,28 @@ def refused_case(me: Rank, what: str) -> dict[str, Any]:
     return {"raised": None}
 
 
+def forward_failure_case(me: Rank) -> dict[str, Any]:
+    """Replica 0's stage 0 raises in its forward of microbatch 2 (no stand-in can replace it), its process living
+    on: its peer stage's receive ends at the collective timeout, and replica 1, whose step completed, learns of it
+    in the step's count all-reduce over the data-parallel groups. What each rank raised."""
+    stages, _, tied = build(me, 1)
+    pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
+    mbs = batches(UNEVEN, me.dp)
+
+    def hook(_module: Any, args: tuple[Any, ...]) -> None:
+        if me.dp == 0 and torch.equal(args[0], mbs[2][0]):
+            raise ValueError("bad token ids")
+
+    if stages[0].is_first:
+        stages[0].submod.register_forward_pre_hook(hook)
+    args, kwargs = step_inputs(stages, mbs)
+    try:
+        pipe.step(schedule("gpipe", stages, len(mbs), pipe.loss(m.token_sum_loss)), *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the class: a raw error must show as one
+        return {"raised": (type(exc).__name__, str(exc)), "all_none": all(p.grad is None for p in pipe.params)}
+    return {"raised": None}
+
+
 def world() -> dict[str, Any]:
     """Every case, in one world (starting a world costs more than the cases)."""
     me = Rank()
@@ -205,4 +228,7 @@ def world() -> dict[str, Any]:
     out["schedule_own"] = schedule_own_case(me)
     for what in ("stale", "zero", *BAD_COUNTS):
         out[f"refused_{what}"] = refused_case(me, what)
+    alive = dist.new_group(list(range(4)), timeout=datetime.timedelta(seconds=600))  # longer than the deadline
+    out["forward_failure"] = forward_failure_case(Rank())  # last, on groups of its own: a receive timed out there
+    dist.barrier(group=alive)  # every process lives on until all four are done
     return out

@@ -128,7 +128,7 @@ def reused_world() -> dict[str, Any]:
 __all__ = ["GradaggError", "failure_world", "mismatch_world", "reused_world"]
 
 
-def forward_failure_case(me: Pipe, kind: str, linger: float) -> dict[str, Any]:
+def forward_failure_case(me: Pipe, kind: str) -> dict[str, Any]:
     """Stage 0's forward raises on microbatch 2 (its module, not the loss): no stand-in can replace it."""
     stages, _, tied = build(me, kind)
     pipe = PipelineAccumulator(stages, dp_group=me.dp_group, tied=tied)
@@ -145,9 +145,30 @@ def forward_failure_case(me: Pipe, kind: str, linger: float) -> dict[str, Any]:
     out = {"failed": outcome(lambda: pipe.step(pw.schedule(kind, stages, len(mbs), pipe.loss(m.token_sum_loss)),
                                                *args, **kwargs))}
     out["all_none"] = all(p.grad is None for p in pipe.params)
-    time.sleep(linger if me.pp == 0 else 0)  # the failing rank stays alive (a loop that caught the error)
     return out
 
 
-def forward_failure_world(kind: str, linger: float) -> dict[str, Any]:
-    return forward_failure_case(Pipe(), kind, linger)
+
+def forward_failures_world(kind: str) -> dict[str, Any]:
+    """Stage 0's forward raises on microbatch 2, twice, on fresh groups each time (a timed-out receive is not
+    reused). ``"lives_on"``: rank 0's process lives on, waiting in a barrier of its own (a long timeout) until rank 1
+    is done: rank 1 must raise on its own, within the collective timeout. ``"ends"``: rank 0's process ends at once
+    after it (the world's last case), which breaks rank 1's receive."""
+    import datetime
+
+    me = Pipe()
+    alive = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=600))  # longer than any world's deadline
+    out = {"lives_on": forward_failure_case(me, kind)}
+    dist.barrier(group=alive)
+    out["ends"] = forward_failure_case(Pipe(), kind)
+    out["timeouts"] = timeouts(me)
+    return out
+
+
+def timeouts(me: Pipe) -> dict[str, Any]:
+    """What :mod:`gradagg.torch.pipeline.waits` reads: the default group's timeout, a ``new_group``'s (torch's
+    default), the step's bound, and a group whose timeout cannot be read (None: the fallback)."""
+    from gradagg.torch.pipeline import waits
+
+    return {"world": waits.group_timeout(None), "pipeline": waits.group_timeout(me.pp_group),
+            "step": waits.step_timeout(me.pp_group), "unreadable": waits.group_timeout(object())}

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from gradagg.errors import GradaggError, PlacementError, WindowError
+from gradagg.errors import CollectiveError, GradaggError, PlacementError, WindowError
 from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.ledger import Span
 from gradagg.torch.accumulate.lifetime import group_ranks
 from gradagg.torch.accumulate.stale import clear_zeroed
 from gradagg.torch.collectives import Group, check_launcher_world, check_same_on_all_ranks, get_rank
 from gradagg.torch.norm import clip_grad_norm_, grad_norm
-from gradagg.torch.pipeline import failures
+from gradagg.torch.pipeline import failures, waits
 from gradagg.torch.pipeline.agreement import check_schedule
 from gradagg.torch.pipeline.counts import Counts, Totals, local_tokens, reduce_counts
 from gradagg.torch.pipeline.grads import reduce_and_divide
@@ -66,6 +66,8 @@ class PipelineAccumulator:
         check_same_on_all_ranks(entries,
                                 "the parameters of a stage's replicas", self.dp_group)
         self._counts = Counts()
+        # the schedule's point-to-point waits are bounded by the collective timeout (see pipeline/waits.py)
+        self.timeout = waits.step_timeout(self.pp_group, *(s.group for s in self.stages))
 
     def loss(self, fn: CountedLoss) -> Callable[..., torch.Tensor]:
         """The ``loss_fn`` to build the schedule with: ``fn(output, target)`` returns ``(loss sum, count)``.
@@ -109,8 +111,11 @@ class PipelineAccumulator:
                 refuses such a weight with), a pipeline has no last stage or no count (the schedule was not built
                 with ``loss_fn=pipe.loss(fn)``), D = 0, beyond float64 or outside what a stage's gradients' dtype can be
                 divided by (D beyond float32 with float32 gradients), or the loss function failed on some
-                microbatch (naming it, the rank and the error). A failure inside
-                the schedule itself (a stage's forward) is a WindowError on the rank where it happened.
+                microbatch (naming it, the rank and the error), or the schedule itself raised on some rank (a
+                stage's forward: its peer stages' point-to-point waits then fail, each bounded by the collective
+                timeout, the shorter of the default group's and the pipeline group's,
+                :mod:`gradagg.torch.pipeline.waits`; every rank then joins the count collectives, which carry it).
+                Where a peer's process ended, a rank whose schedule failed raises its own WindowError.
             CollectiveError: before anything runs, on every rank of the pipeline, when its stages disagree on the
                 schedule class, ``n_microbatches`` or the stages (one small all_gather_object per step); a
                 collective failed or timed out.
@@ -125,29 +130,44 @@ class PipelineAccumulator:
         scale = schedule.scale_grads
         schedule.scale_grads = False
         try:
-            schedule.step(*args, losses=losses, **kwargs)
-        except GradaggError:
-            self._drop()
-            raise
-        except Exception as exc:
-            self._drop()
-            raise failures.schedule_failure(exc, self.pp_group) from exc
+            with waits.bounded(self.timeout):
+                schedule.step(*args, losses=losses, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure inside the schedule is told to every rank
+            self._told(exc, stale)
         finally:
             schedule.scale_grads = scale
         self._counts.keep(losses)
         return self._finish(stale)
 
+    def _told(self, exc: Exception, stale: bool) -> NoReturn:
+        """The schedule raised here (a stage's forward, a loss with nothing to stand in for it, a point-to-point
+        wait that failed or timed out). This rank still joins the step's collectives over the data-parallel group,
+        carrying the failure, so that the other replicas, whose steps may have completed, raise a WindowError
+        naming it instead of waiting for this replica. Not those over the pipeline group: gloo closes a pair whose
+        receive timed out, and this rank's pipeline peers learn of the failure from their own (bounded) waits.
+        Where a collective fails there too (a peer's process ended), this rank's own error is raised."""
+        self._drop()
+        own = exc if isinstance(exc, GradaggError) else failures.schedule_failure(exc, self.pp_group)
+        self._counts.clear()
+        self._counts.failed = [failures.schedule_text(exc)]
+        try:
+            self._finish(stale, pipeline=False)
+        except CollectiveError:
+            raise own from exc
+        raise own from exc  # not reached: _finish raises where a rank failed
+
     def _drop(self) -> None:
         for p in self.params:
             p.grad = None
 
-    def _finish(self, stale: bool) -> PipelineLedger:
+    def _finish(self, stale: bool, pipeline: bool = True) -> PipelineLedger:
         present = [p.grad is not None for p in self.params]
         dtypes = {p.dtype for p, here in zip(self.params, present) if here}
-        totals = reduce_counts(self._counts, self.last, stale, present, dtypes, self.pp_group, self.dp_group)
+        totals = reduce_counts(self._counts, self.last, stale, present, dtypes, self.pp_group, self.dp_group,
+                               pipeline)
         problem = _problem(totals)
         if any(totals.failed) or any(totals.invalid):  # the same on every rank: each names what it could not count
-            problem = "; ".join(failures.texts(self._counts.problems(), self.pp_group, self.dp_group))
+            problem = "; ".join(failures.texts(self._counts.problems(), self.pp_group, self.dp_group, pipeline))
         if problem is not None:
             self._drop()
             raise WindowError(f"rank {get_rank()}: {problem}; every rank raises, and every gradient is now None")

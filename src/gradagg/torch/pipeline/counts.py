@@ -26,7 +26,8 @@ from gradagg.torch.accumulate.counting import Read, Tally, Weight, check_weight,
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_rank, get_world_size
 
 # One replica's slot: tokens, microbatches, padding (count 0), last stages, loss sum, counts that cannot count,
-# stale ranks, microbatches whose loss function failed; then, per dtype of _DIVIDED, the ranks with a gradient in it.
+# stale ranks, microbatches whose loss function failed (or a schedule that raised); then, per dtype of _DIVIDED, the
+# ranks with a gradient in it.
 TOKENS, MICROBATCHES, PADDING, LASTS, LOSS, INVALID, STALE, FAILED, DTYPES = range(9)
 _DIVIDED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # the real dtypes a gradient is divided in
 _FIELDS = DTYPES + len(_DIVIDED)
@@ -118,14 +119,16 @@ class Totals:
 
 
 def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], dtypes: set[torch.dtype], pp: Group,
-                  dp: Group) -> Totals:
+                  dp: Group, pipeline: bool = True) -> Totals:
     """Sum this rank's counts over its pipeline, then gather them per replica (two all_reduce calls). ``dtypes``:
-    those of this rank's gradients (the stages' may differ: every rank checks D against every stage's)."""
+    those of this rank's gradients (the stages' may differ: every rank checks D against every stage's).
+    ``pipeline=False`` (a rank whose schedule raised, telling the other replicas): the second only."""
     device = device_for(pp)
     local = _local(counts, last, stale, device)
     real = {d.to_real() for d in dtypes}
     local[DTYPES:] = torch.tensor([1.0 if d in real else 0.0 for d in _DIVIDED], dtype=torch.float64)
-    all_reduce_sum(local, pp)
+    if pipeline:
+        all_reduce_sum(local, pp)
     width, slot = get_world_size(dp), get_rank(dp)
     buf = torch.zeros(_FIELDS * width + len(present), dtype=torch.float64, device=device_for(dp))
     buf[_FIELDS * slot:_FIELDS * (slot + 1)] = local.to(buf.device)
@@ -146,13 +149,13 @@ def reduce_counts(counts: Counts, last: bool, stale: bool, present: list[bool], 
 
 
 def _local(counts: Counts, last: bool, stale: bool, device: torch.device) -> torch.Tensor:
-    """This rank's slot: zeros but for the stale flag on a rank without the last stage."""
+    """This rank's slot: zeros but for the stale and failed flags on a rank without the last stage."""
     out = [0.0] * _FIELDS
     out[STALE] = 1.0 if stale else 0.0
+    out[FAILED] = float(len(counts.failed))  # a loss function's failures (last stage), or the schedule's (any stage)
     if last:
         read = counts.read
         out[LASTS] = 1.0
-        out[FAILED] = float(len(counts.failed))
         out[MICROBATCHES] = float(len(read.values))
         out[PADDING] = float(sum(v == 0 for v in read.values))
         # A count that cannot count (NaN, Inf, negative) is named, never summed: NaN must not pass for a count.

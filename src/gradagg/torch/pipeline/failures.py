@@ -7,8 +7,10 @@ floating output tensor's sum times 0): the schedule then completes its sends and
 with zero gradients for that microbatch, and the step's count collective carries the failure. Every rank
 then gathers what went wrong (two small ``all_gather_object`` calls, on this path only), sets every gradient
 to None and raises the same error. A stage output without a floating tensor that has a gradient leaves
-nothing to back-propagate: then the failing rank raises at once (the best available; the others fail in
-their receives, which :func:`schedule_failure` names).
+nothing to back-propagate: then the schedule raises there, as it does for a failure inside a stage's forward.
+A rank whose schedule raised joins the step's collectives over the data-parallel group only (its pipeline group
+may be broken), carrying :func:`schedule_text`, so that the other replicas raise too; its pipeline peers fail
+in their point-to-point waits, bounded by the collective timeout (:mod:`.waits`), and do the same.
 """
 
 from __future__ import annotations
@@ -31,12 +33,32 @@ def what_failed(exc: BaseException) -> str:
         exc, GradaggError) else f"the loss function returned what cannot be counted: {first_line(exc)}"
 
 
-def texts(mine: list[str], pp: Group, dp: Group) -> list[str]:
-    """Every replica's failures, as ``"pipeline rank p (global rank g) of replica r: ..."``; every rank calls it."""
+def texts(mine: list[str], pp: Group, dp: Group, pipeline: bool = True) -> list[str]:
+    """Every replica's failures, as ``"pipeline rank p (global rank g) of replica r: ..."``; every rank calls it.
+
+    Gathered over the data-parallel group first, then the pipeline's; ``pipeline=False`` (a rank whose schedule
+    raised: its pipeline group may be broken, gloo closing a pair whose receive timed out) gathers over the first
+    only, pairing with the others' first gather, and knows its own replica's failures only."""
     here = [f"pipeline rank {get_rank(pp)} (global rank {get_rank()}) of data-parallel replica {get_rank(dp)}, "
             f"{m}" for m in mine]
-    pipeline = [t for got in all_gather_object(here, pp) for t in got]  # type: ignore[attr-defined]
-    return [t for got in all_gather_object(pipeline, dp) for t in got]  # type: ignore[attr-defined]
+    replicas = [t for got in all_gather_object(here, dp) for t in got]  # type: ignore[attr-defined]
+    if not pipeline:
+        return replicas
+    return [t for got in all_gather_object(replicas, pp) for t in got]  # type: ignore[attr-defined]
+
+
+def schedule_text(exc: BaseException) -> str:
+    """What failed in the schedule here, for the step's collectives to carry (see :func:`schedule_failure`)."""
+    if isinstance(exc, GradaggError):
+        return first_line(exc)
+    cause, seen = exc, {id(exc)}
+    while cause.__cause__ is not None and id(cause.__cause__) not in seen:
+        cause = cause.__cause__
+        seen.add(id(cause))
+    why = "" if cause is exc else f", caused by {type(cause).__name__}: {first_line(cause)}"
+    return (f"the pipelined step raised {type(exc).__name__}: {first_line(exc)}{why} (a stage's forward or "
+            "backward failed here, or a peer stage failed or left and this rank's point-to-point transfer with it "
+            "broke or timed out)")
 
 
 def schedule_failure(exc: BaseException, pp: Group) -> WindowError:
@@ -44,18 +66,10 @@ def schedule_failure(exc: BaseException, pp: Group) -> WindowError:
 
     torch wraps a stage's exception (``[Stage 0] failed to run forward``): the message names the first
     cause too. Only this rank knows: a peer stage waiting for this one's sends learns of it when this
-    process ends (its point-to-point receive then fails, and becomes this same error there); torch's
-    point-to-point waits are not bounded by the collective timeout, so a process that catches this error and
-    lives on leaves its peers waiting.
+    process ends (its point-to-point receive then fails, and becomes this same error there) or, if it lives on,
+    when the collective timeout ends that receive (:mod:`.waits` bounds each of the step's waits).
     """
-    cause, seen = exc, {id(exc)}
-    while cause.__cause__ is not None and id(cause.__cause__) not in seen:
-        cause = cause.__cause__
-        seen.add(id(cause))
-    why = "" if cause is exc else f", caused by {type(cause).__name__}: {first_line(cause)}"
     return WindowError(
-        f"pipeline rank {get_rank(pp)} (global rank {get_rank()}): the pipelined step raised "
-        f"{type(exc).__name__}: {first_line(exc)}{why} (a stage's forward or backward failed here, or a peer "
-        "stage failed or left and this rank's point-to-point transfer with it broke); the step's gradients are "
+        f"pipeline rank {get_rank(pp)} (global rank {get_rank()}): {schedule_text(exc)}; the step's gradients are "
         "unusable: every gradient here is now None"
     )

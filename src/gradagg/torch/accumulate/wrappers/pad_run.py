@@ -1,7 +1,8 @@
 """One padding microbatch of the shards form (see :mod:`.padding`): it counts nowhere, and its failure is told.
 
-Counts nowhere: the padding's gradients are dropped in their hooks (:mod:`.opening`), and every buffer of the
-module is put back as the padding found it (:func:`buffers_kept`).
+Counts nowhere: the padding's gradients are dropped in their hooks (:mod:`.opening`), and what the next real
+microbatch would see of it is put back as the padding found it (:func:`kept`): every buffer of the module, the
+random number generators' states (dropout draws from them) and the modules' plain attributes.
 
 A failure: the other ranks are inside a real microbatch, in FSDP2's all-gathers and reduce-scatters, which
 this rank must join or they wait out the collective timeout. So when the padding function raises or returns
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate.state import State
+from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
@@ -79,7 +81,7 @@ def run(state: State, sh: FsdpShards, running: list[int]) -> str | None:
     module = state.params.module
     watch = Watch(module)
     try:
-        with torch.enable_grad(), buffers_kept(module):
+        with torch.enable_grad(), kept(module, state.device):
             failure, loss = None, None
             try:
                 loss = checked(sh.pad() if callable(sh.pad) else replay(state, sh))
@@ -150,6 +152,96 @@ def _what(exc: BaseException) -> str:
 def _named(pad: object) -> str:
     fn = getattr(pad, "func", pad)  # a functools.partial: the function it calls
     return "pad='replay'" if pad == "replay" else f"pad={getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+@contextmanager
+def kept(module: torch.nn.Module | None, device: torch.device) -> Iterator[None]:
+    """Leave what a real microbatch after the block would see as the block found it: a padding counts nowhere.
+
+    Its buffers (:func:`buffers_kept`), the random number generators (:func:`rng_kept`), the modules' plain
+    attributes (:func:`attributes_kept`): a model with dropout trains the same with and without padding rounds.
+    """
+    with rng_kept(device), attributes_kept(module), buffers_kept(module):
+        yield
+
+
+@contextmanager
+def rng_kept(device: torch.device) -> Iterator[None]:
+    """Put back the CPU generator's state, and ``device``'s when it is an accelerator, after the block.
+
+    A padding forward in training mode draws dropout masks: without this the next real microbatch of this rank
+    would draw other masks than it draws where no rank pads. ``torch.random.fork_rng`` saves and restores the
+    states (the CPU's always; the accelerator's only for the device named, not every visible one).
+    """
+    if device.type in ("cpu", "meta"):
+        devices: list[int] = []
+        kind = None
+    else:
+        index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+        devices, kind = [index], device.type
+    with torch.random.fork_rng(devices=devices, device_type=kind):
+        yield
+
+
+@contextmanager
+def attributes_kept(module: torch.nn.Module | None) -> Iterator[None]:
+    """Put back every module's plain attributes as the block found them (a forward that counts its calls).
+
+    Plain: what a module keeps in its ``__dict__`` beside what every ``nn.Module`` keeps there (its parameters,
+    buffers, submodules, hooks and ``training``). After the block each such attribute is bound again to the object
+    it was bound to (``self.calls += 1`` on an int rebinds it), one the block added is removed, and the contents
+    of a list, dict or set and the values of a plain tensor are put back in place (shallow: the same elements).
+    Not seen: a change inside any other object (a custom class's own attributes, a list's elements): such a
+    forward must not count in its padding, or use ``pad=fn`` with a function that leaves its state alone.
+    Memory: a shallow copy of each list, dict and set, and a copy of each plain tensor attribute.
+    """
+    if module is None:
+        yield
+        return
+    torch_own = frozenset(vars(torch.nn.Module()))
+    saved = []
+    for mod in module.modules():
+        own = {k: v for k, v in vars(mod).items() if k not in torch_own}
+        saved.append((mod, own, {k: _contents(v) for k, v in own.items()}))
+    try:
+        yield
+    finally:
+        for mod, own, contents in saved:
+            attrs = vars(mod)
+            for name in [k for k in attrs if k not in torch_own and k not in own]:
+                del attrs[name]
+            for name, value in own.items():
+                attrs[name] = value
+                _put_back(value, contents[name])
+
+
+def _contents(value: object) -> object:
+    """What :func:`attributes_kept` puts back into ``value`` in place (None: nothing, only its binding)."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+        return value.detach().clone()
+    if isinstance(value, list | dict | set):
+        return value.copy()
+    return None
+
+
+def _put_back(value: Any, contents: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        # only where the values changed: an in-place write bumps the tensor's version, which a graph that saved it
+        # (an attribute kept from the last real microbatch) would refuse at its backward
+        if contents is not None and value.shape == contents.shape and not torch.equal(_local(value), _local(contents)):
+            with torch.no_grad():
+                value.copy_(contents)
+    elif isinstance(value, list):
+        value[:] = contents
+    elif isinstance(value, dict | set):
+        value.clear()
+        value.update(contents)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (``torch.equal`` on DTensors gathers over their mesh: a collective only this padding
+    rank would issue), or ``t``."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
 
 
 @contextmanager

@@ -26,7 +26,8 @@ the lowest rank running a microbatch in that round (one ``all_gather_object``; t
 ``None``: no padding; uneven counts raise GradaggError on every rank, before any FSDP collective
 of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
 blocks: use ``fsdp="window"`` there). It runs in training mode, and counts nowhere: every buffer of the module
-(counters, BatchNorm's statistics) is put back as the padding found it (:func:`.pad_run.buffers_kept`).
+(counters, BatchNorm's statistics), the RNG states (dropout) and the modules' plain attributes are put back as the
+padding found them (:func:`.pad_run.kept`; its boundary: a change inside an object an attribute holds).
 
 One rank's failure in its padding (a ``pad`` function that raises, returns what cannot be back-propagated, or
 calls a block before the model; replay inputs that cannot be pickled) is one GradaggError on every rank, the
