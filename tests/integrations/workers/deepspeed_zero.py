@@ -216,7 +216,7 @@ def _refusals() -> dict[str, Any]:
     from gradagg.integrations.deepspeed import exact
 
     out: dict[str, Any] = {}
-    for name, stage, steps in (("stage0", 0, 1), ("steps3", 1, 3)):
+    for name, stage, steps in (("stage0", 0, 1),):
         try:
             exact(_engine(stage, 0.0, steps))
             out[name] = None
