@@ -130,14 +130,16 @@ def test_unsupported_engines_are_refused_at_exact(world: dict[str, Any]) -> None
 
 def test_deepspeed_configs_as_users_write_them_are_exact(world: dict[str, Any]) -> None:
     """A seeded sample of gradient_accumulation_steps k 1..4 (given, or derived from train_batch_size) x ZeRO 1/2/3
-    x uneven microbatch counts per rank (a rank with none, a short last window, more than k): every window is exact
+    x uneven microbatch counts per rank (a rank with none, a short last window, more than k), DeepSpeed's reduction
+    averaging or summing over the ranks (gradient_allreduce_op "sum", ZeRO-1/2): every window is exact
     against the float64 truth, its divisor is its count (tokens, or microbatches unweighted), never k, and DeepSpeed
     steps the optimizer and its scheduler once per window. Rerun one sample with GRADAGG_FUZZ_SEED=<seed>."""
     cases, reached = STEPS[0], collections.Counter(c for case in STEPS[0] for c in ds.classes(case))
     print(f"seed {SEED}: classes reached {dict(sorted(reached.items()))}")
     wanted = {f"k={k}" for k in range(1, 5)} | {f"zero-{s}" for s in STAGES} | {
         "derived k", "explicit k", "weighted", "unweighted", "a rank with no microbatch", "a window short of k",
-        "config scheduler", "torch scheduler", "ZeRO-3 padded to one microbatch each, k > 1"}
+        "config scheduler", "torch scheduler", "ZeRO-3 padded to one microbatch each, k > 1",
+        "gradient_allreduce_op mean", "gradient_allreduce_op sum"}
     assert wanted <= set(reached), wanted - set(reached)
     for r in world["steps"]:
         for case, got in zip(cases, r["cases"], strict=True):

@@ -1,5 +1,6 @@
 """DeepSpeed's wrapper hands each rank's gradient sum to DeepSpeed's average divided by its share of the divisor,
-D / world, by the one divisor rule (``counting.divisor_problem``): a share float32 cannot divide by is refused.
+D / world (D where DeepSpeed sums), by the one divisor rule (``counting.divisor_problem``): a share float32 cannot
+divide by is refused.
 
 No DeepSpeed needed: :meth:`DeepSpeedZero.hand_out` reads only the window's world and the parameter. The refusal on
 every rank of a real engine is ``test_deepspeed.py::test_a_share_float32_cannot_divide_by_is_refused_on_every_rank``.
@@ -19,11 +20,11 @@ from gradagg.torch.accumulate.wrappers.deepspeed import DeepSpeedZero
 FLOAT32_ULP = 2.0**-23
 
 
-def _handed_out(grad: list[float], divisor: float, world: int) -> torch.Tensor:
+def _handed_out(grad: list[float], divisor: float, world: int, averages: bool = True) -> torch.Tensor:
     p = torch.nn.Parameter(torch.zeros(len(grad)))
     p.grad = torch.tensor(grad, dtype=torch.float32)
     state: Any = SimpleNamespace(world=world, rank=0)
-    DeepSpeedZero(None, 1).hand_out(state, 0, p, divisor, True)
+    DeepSpeedZero(None, 1, averages).hand_out(state, 0, p, divisor, True)
     assert p.grad is not None
     return p.grad
 
@@ -58,3 +59,10 @@ def test_the_share_is_the_divisor_over_the_ranks(world: int) -> None:
     p = torch.nn.Parameter(torch.ones(3))
     DeepSpeedZero(None, 1).hand_out(SimpleNamespace(world=world, rank=0), 0, p, 13.0, False)  # type: ignore[arg-type]
     assert p.grad is not None and p.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_where_deepspeed_sums_the_share_is_the_divisor() -> None:
+    """gradient_allreduce_op "sum": DeepSpeed adds the ranks' gradients, so each rank's sum is divided by D itself."""
+    got = _handed_out([3.0, -1.5], 13.0, 4, averages=False).double().tolist()
+    for g, t in zip(got, [3.0, -1.5], strict=True):
+        assert abs(g - t / 13.0) <= FLOAT32_ULP * abs(t / 13.0), (g, t)

@@ -36,6 +36,9 @@ accumulator's, and DeepSpeed reduces the gradients. What it does, and why:
   never has two); a window of one microbatch per rank is declared with
   ``engine.set_gradient_accumulation_boundary(True)`` before its ``engine.step()``. ``"auto"`` is the Hugging Face
   integration's to fill; DeepSpeed's ``initialize`` itself raises on it in a raw config.
+* **gradient_allreduce_op**: DeepSpeed's reduction averages over the ranks by default, and each rank's sum is
+  divided by ``D / world``; with ``"gradient_allreduce_op": "sum"`` (ZeRO-1 and -2) it sums them, and each rank's
+  sum is divided by D. The engine's ``gradient_average`` says which; an engine without it is refused.
 * **ZeRO-3** gathers parameters collectively in every forward: its ranks must run the same number of
   microbatches (a rank that ran out pads with ``acc.microbatch(weight=0)`` and ``engine.backward(0 * loss)``);
   unpadded, a collective times out (a ``CollectiveError`` on the rank waiting in the window's all-reduce).
@@ -107,7 +110,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
 
         def choose(params: Params, group: Group, span: Any) -> Choice:
             def make() -> Wrapper:
-                return DeepSpeedZero(engine, len(params.tensors))
+                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average))
 
             return Choice(group, span, make)
 
@@ -246,7 +249,8 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
 
     Raises:
         GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, pipeline, tensor or sequence
-            parallelism, or a DeepSpeed without ``coalesce_grad_reduction`` (before 0.19).
+            parallelism, a DeepSpeed without ``coalesce_grad_reduction`` (before 0.19) or without the engine's
+            ``gradient_average`` flag.
 
     >>> exact(torch.nn.Linear(2, 1))
     Traceback (most recent call last):
@@ -270,6 +274,10 @@ def _unsupported(engine: Any) -> str | None:
         return f"ZeRO stage {stage} with fp16 or bf16 is not supported yet: gradagg is verified with float32 only"
     if getattr(engine, "pipeline_parallelism", False) or not engine.managed_gradient_accumulation():
         return "pipeline parallelism and managed_gradient_accumulation=false are not supported"
+    if not isinstance(getattr(engine, "gradient_average", None), bool):
+        # DeepSpeed 0.19.8's engine attribute for its config's gradient_allreduce_op ("mean" or "sum"): without it,
+        # whether its reduction averages or sums, and so each rank's share of D, is unknown
+        return "the engine does not say whether its reduction averages or sums (no bool gradient_average)"
     if engine.dp_world_size != get_world_size():
         return (f"the data-parallel world has {engine.dp_world_size} ranks but the process group "
                 f"{get_world_size()}: tensor, sequence or expert parallelism is not supported")

@@ -3,7 +3,8 @@ scheduler) under ``exact(engine)``, on every rank of a 2-rank gloo world.
 
 * :func:`sample`: a seeded sample of configurations, k 1 to 4 x ZeRO 1/2/3 x uneven microbatch counts per rank (a
   rank with none, a short last window, a window longer than k), k given or derived by DeepSpeed from
-  ``train_batch_size``, weighted or not, a torch or a DeepSpeed-config scheduler; :func:`steps_world` runs each
+  ``train_batch_size``, weighted or not, a torch or a DeepSpeed-config scheduler, DeepSpeed's reduction averaging
+  or summing (``gradient_allreduce_op``); :func:`steps_world` runs each
   case window by window against the float64 one-process truth (the window's count, never k, as the divisor) and
   counts the optimizer's and the scheduler's steps;
 * DeepSpeed's own loop (``engine.step()`` after every microbatch) under ``exact``: refused on both ranks at its first
@@ -37,6 +38,8 @@ def sample(seed: int, n: int = 4) -> list[dict[str, Any]]:
     if ks[three] == 1:  # ZeRO-3's padded first window is checked for DeepSpeed's loop only where k > 1
         ks[three], ks[three - 1] = ks[three - 1], ks[three]
     unweighted = next(i for i, s in enumerate(stages) if s != 3)  # ZeRO-3's padding counts in M: weighted there
+    # gradient_allreduce_op "sum" (DeepSpeed refuses it under ZeRO-3): one case of ZeRO-1 or -2, weighted
+    summed = next(i for i, s in enumerate(stages) if s != 3 and i != unweighted)
     cases = []
     for i, (k, stage) in enumerate(zip(ks, stages, strict=True)):
         plan = [[[rng.randint(0, dz.LENGTH) for _ in range(rng.randint(0, k + 1))] for _ in range(WORLD)]
@@ -53,7 +56,7 @@ def sample(seed: int, n: int = 4) -> list[dict[str, Any]]:
             if not any(v for counts in window for v in counts):
                 window[rng.randrange(WORLD)].append(dz.LENGTH)
         cases.append({"k": k, "stage": stage, "plan": plan, "derived": i % 2 == 1, "weighted": i != unweighted,
-                      "scheduler": "config" if i % 2 == 0 else "torch"})
+                      "scheduler": "config" if i % 2 == 0 else "torch", "op": "sum" if i == summed else "mean"})
     return cases
 
 
@@ -61,7 +64,8 @@ def classes(case: dict[str, Any]) -> set[str]:
     """The classes one case reaches."""
     k, plan = case["k"], case["plan"]
     out = {f"k={k}", f"zero-{case['stage']}", "derived k" if case["derived"] else "explicit k",
-           "weighted" if case["weighted"] else "unweighted", f"{case['scheduler']} scheduler"}
+           "weighted" if case["weighted"] else "unweighted", f"{case['scheduler']} scheduler",
+           f"gradient_allreduce_op {case['op']}"}
     if any(not counts for window in plan for counts in window):
         out.add("a rank with no microbatch")
     if k > 1 and any(all(len(c) < k for c in window) for window in plan):
@@ -91,9 +95,10 @@ def _caught(part: Any, *args: Any) -> dict[str, Any]:
     return out
 
 
-def _engine(stage: int, k: int, derived: bool = False, scheduler: str = "torch") -> tuple[Any, Any]:
+def _engine(stage: int, k: int, derived: bool = False, scheduler: str = "torch", op: str = "mean") -> tuple[Any, Any]:
     """A ZeRO engine as users configure one: ``train_batch_size = micro x k x world`` checked by DeepSpeed (or k
-    derived from it), and a scheduler that DeepSpeed steps (constant: lr 1 keeps the applied gradient readable)."""
+    derived from it), a scheduler that DeepSpeed steps (constant: lr 1 keeps the applied gradient readable), and
+    its reduction averaging over the ranks or, ``op`` "sum", summing them (``gradient_allreduce_op``)."""
     import deepspeed
 
     torch.manual_seed(0)
@@ -101,7 +106,7 @@ def _engine(stage: int, k: int, derived: bool = False, scheduler: str = "torch")
     # gradient_clipping 0: DeepSpeed's default clips, and a clip that acts would hide a wrong scale
     cfg: dict[str, Any] = {"train_batch_size": k * WORLD, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
                            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-                           "steps_per_print": 10**9}
+                           "steps_per_print": 10**9, "gradient_allreduce_op": op}
     if not derived:
         cfg["gradient_accumulation_steps"] = k
     optimizer = torch.optim.SGD(model.parameters(), lr=dz.LR)
@@ -150,7 +155,7 @@ def _case(case: dict[str, Any]) -> dict[str, Any]:
     from gradagg.integrations.deepspeed import exact
 
     stage, plan, weighted = case["stage"], case["plan"], case["weighted"]
-    engine, scheduler = _engine(stage, case["k"], case["derived"], case["scheduler"])
+    engine, scheduler = _engine(stage, case["k"], case["derived"], case["scheduler"], case["op"])
     acc = exact(engine)
     errors, divisors = [], []
     for window, per_rank in enumerate(plan):

@@ -7,7 +7,8 @@ buffer carries the counters only), and the gradient hooks count participation wi
 ``finish()``, after the counters' exchange, each local gradient is divided by this rank's share of the divisor,
 ``D / world`` (a parameter without one gets zeros: every rank must hand DeepSpeed's reduction the same tensors, or
 its collectives mismatch), and the block exits: DeepSpeed's average is then the sum over every microbatch of every
-rank / D. The share goes through the one divisor rule (:func:`~gradagg.torch.accumulate.counting.divisor_problem`):
+rank / D. Where DeepSpeed sums over the ranks instead (``"gradient_allreduce_op": "sum"``), the share is D.
+The share goes through the one divisor rule (:func:`~gradagg.torch.accumulate.counting.divisor_problem`):
 dividing by a normal float32 rounds once, as the flat buffer's division by D does, where multiplying by
 ``world / D`` lost bits when that factor fell near float32's smallest normal and overflowed beyond its largest.
 A dropped window hands DeepSpeed zeros and exits the block, so its reduction still runs on every rank.
@@ -34,13 +35,16 @@ class DeepSpeedZero(Plain):
     Args:
         engine: a ``DeepSpeedEngine`` with ZeRO stage 1, 2 or 3 (checked by the caller).
         n_params: how many parameters the accumulator holds (all of them external).
+        averages: whether DeepSpeed's reduction averages over the ranks (its default) or sums them
+            (``"gradient_allreduce_op": "sum"``): each rank's share of D is then D / world, or D.
     """
 
     name = "deepspeed"
 
-    def __init__(self, engine: Any, n_params: int) -> None:
+    def __init__(self, engine: Any, n_params: int, averages: bool = True) -> None:
         super().__init__()
         self.engine = engine
+        self.averages = averages
         self.external = frozenset(range(n_params))
         self.block: contextlib.ExitStack | None = None  # the window's coalesce_grad_reduction(), while open
 
@@ -51,13 +55,14 @@ class DeepSpeedZero(Plain):
             self.block = stack
 
     def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
-        """Divide ``t``'s local gradient by ``D / world`` (zeros where it has none): DeepSpeed then averages.
+        """Divide ``t``'s local gradient by its share of D (zeros where it has none): ``D / world`` where DeepSpeed
+        then averages over the ranks, D where it sums them.
 
         Raises:
             WindowError: on every rank (D and the world are the same on each) when ``t``'s dtype cannot divide by
                 the share; the caller drops the window (:meth:`discard`).
         """
-        share = divisor / state.world
+        share = divisor / state.world if self.averages else divisor
         problem = divisor_problem(share, t.dtype)
         if problem is not None:
             raise WindowError(
