@@ -34,8 +34,9 @@ accumulator's, and DeepSpeed reduces the gradients. What it does, and why:
   microbatch that counts (weight-0 padding does not) is refused at its ``engine.step()``, on every rank, naming
   why, until a window shows a rank with two or more (one small all-reduce per window until then; DeepSpeed's loop
   never has two); a window of one microbatch per rank is declared with
-  ``engine.set_gradient_accumulation_boundary(True)`` before its ``engine.step()``. ``"auto"`` is the Hugging Face
-  integration's to fill; DeepSpeed's ``initialize`` itself raises on it in a raw config.
+  ``engine.set_gradient_accumulation_boundary(True)`` before its ``engine.step()`` (for that window only).
+  ``"auto"`` is the Hugging Face integration's to fill; DeepSpeed's ``initialize`` itself raises on it in a raw
+  config.
 * **gradient_allreduce_op**: DeepSpeed's reduction averages over the ranks by default, and each rank's sum is
   divided by ``D / world``; with ``"gradient_allreduce_op": "sum"`` (ZeRO-1 and -2) it sums them, and each rank's
   sum is divided by D. The engine's ``gradient_average`` says which; an engine without it is refused.
@@ -43,8 +44,9 @@ accumulator's, and DeepSpeed reduces the gradients. What it does, and why:
   microbatches (a rank that ran out pads with ``acc.microbatch(weight=0)`` and ``engine.backward(0 * loss)``);
   unpadded, a collective times out (a ``CollectiveError`` on the rank waiting in the window's all-reduce).
 
-``engine.step`` and ``engine.backward`` are wrapped on the engine instance (``close()`` restores them): the
-backward never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
+``engine.step``, ``engine.backward`` and ``engine.set_gradient_accumulation_boundary`` are wrapped on the engine
+instance (``close()`` restores them; the last records a declared boundary, for the window it ends): the backward
+never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
 microbatch poisons the window (``engine.step()`` then raises on every rank), and a step always steps. Under
 Accelerate's DeepSpeed plugin, ``acc = gradagg.integrations.accelerate.exact(accelerator, engine, optimizer)`` (this
 class on the engine ``accelerator.prepare`` returned), then ``with accelerator.accumulate(engine): with
@@ -98,12 +100,16 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         super().__init__(engine.module)
         self._finished = False  # finish() ran and engine.step() has not yet
         self._one_per_step_ruled_out = False  # a window had a rank with 2+ microbatches: not DeepSpeed's own loop
-        # the boundary is the caller's word from here (DeepSpeed's counter of steps would otherwise answer for it
-        # on an engine stepped before): True only where the caller declares it (Accelerate does, every backward)
-        engine.set_gradient_accumulation_boundary(False)
+        # whether the caller declared this window's end (set_gradient_accumulation_boundary(True) since the last
+        # step): recorded here, as DeepSpeed's own flag stays True after each step, and its counter of steps answers
+        # for it before any was set
+        self._declared = False
         self._step: Any = engine.step
         self._backward: Any = engine.backward
-        engine.step, engine.backward = self._wrapped_step, self._wrapped_backward  # the instance's, see close()
+        self._set_boundary: Any = engine.set_gradient_accumulation_boundary
+        # the instance's, see close()
+        engine.step, engine.backward = self._wrapped_step, self._wrapped_backward
+        engine.set_gradient_accumulation_boundary = self._wrapped_set_boundary
 
     def _chooser(self, fsdp: Mode, pad: Pad) -> Choose:
         engine = self._engine
@@ -175,7 +181,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         """
         if self._state.window.open and not self._state.closed:
             raise WindowError("close() with a window open", remedy="call engine.step() on every rank first")
-        for name in ("step", "backward"):
+        for name in ("step", "backward", "set_gradient_accumulation_boundary"):
             self._engine.__dict__.pop(name, None)
         super().close()
 
@@ -184,11 +190,17 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
             self._refuse_deepspeeds_loop()
             self.finish()
         self._finished = False
+        self._declared = False  # a declaration holds for its own window
         # A finished window must be stepped on: DeepSpeed's flush restored the boundary flag of the window's start
         # (Accelerate sets it False on every microbatch but the last), and a step skipped on a boundary False would
         # leave the reduced gradients for the next window's flush to add to.
-        self._engine.set_gradient_accumulation_boundary(True)
+        self._set_boundary(True)
         return self._step(*args, **kwargs)
+
+    def _wrapped_set_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's ``set_gradient_accumulation_boundary``, its last value before ``engine.step()`` recorded."""
+        self._declared = bool(is_boundary)
+        self._set_boundary(is_boundary)
 
     def _refuse_deepspeeds_loop(self) -> None:
         """With ``gradient_accumulation_steps`` k > 1, refuse on every rank a window in which every rank ran exactly
@@ -208,7 +220,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         st, w = self._state, self._state.window
         ran = w.m + int(w.in_microbatch)  # Accelerate steps inside its sync microbatch (and declares the boundary)
         counted = ran - sum(1 for v in weight_values(w.weights) if v == 0)
-        declared = bool(self._engine.is_gradient_accumulation_boundary())
+        declared = self._declared
         flags = torch.tensor([float(counted == 1), float(declared), float(ran >= 2)], dtype=torch.float64,
                              device=device_for(st.group))
         one, said, more = all_reduce_sum(flags, st.group).tolist()

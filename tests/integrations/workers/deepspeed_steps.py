@@ -171,8 +171,10 @@ def _case(case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _recipe(stage: int) -> dict[str, Any]:
-    """DeepSpeed's loop (k = 3) under exact: engine.step() after the first microbatch is refused on both ranks; then,
-    on the same engine, a first window of one microbatch per rank declared a boundary, then a window of 3 + 1."""
+    """DeepSpeed's loop (k = 3) under exact: engine.step() after the first microbatch is refused on both ranks. Then,
+    on the same engine, windows of: one microbatch per rank declared a boundary (taken); one per rank, undeclared
+    (refused: the declaration held for its own window only); 3 + 1 (taken, and DeepSpeed's loop ruled out); one per
+    rank, undeclared (taken)."""
     from gradagg.integrations.deepspeed import exact
 
     rank = dist.get_rank()
@@ -189,15 +191,20 @@ def _recipe(stage: int) -> dict[str, Any]:
     except Exception as e:  # the test checks the type and the message
         out["refused"] = f"{type(e).__name__}: {e}"
     out["steps_after_refusal"] = [engine.global_steps, _scheduler_steps(scheduler)]
-    errors = []
-    for window, per_rank in enumerate([[[5], [3]], [[6, 2, 5], [4]]]):
+    errors, later = [], []
+    for window, per_rank in enumerate([[[5], [3]], [[6], [4]], [[6, 2, 5], [4]], [[2], [3]]]):
         before = dz.full(engine)
         truth = dz._truth(before, per_rank, window, 0.0, False)
         if window == 0:
             engine.set_gradient_accumulation_boundary(True)  # DeepSpeed's public word for "this step ends it"
-        _window(engine, acc, per_rank, window, True, pad=stage == 3, extra=False)
+        try:
+            _window(engine, acc, per_rank, window, True, pad=stage == 3, extra=False)
+        except Exception as e:
+            later.append(f"{type(e).__name__}: {e}")
+            continue
         errors.append(_error(before, dz.full(engine), truth))
     out["errors"], out["steps"] = errors, [engine.global_steps, _scheduler_steps(scheduler)]
+    out["later_refusals"] = later
     return out
 
 

@@ -240,7 +240,7 @@ def _refusals() -> dict[str, Any]:
     truth = _truth(before, [[4], [2]], 0, 0.0, False)
     out["after_refusal_error"] = float((applied - truth).norm() / truth.norm())
     acc.close()
-    out["closed"] = "step" not in engine.__dict__ and "backward" not in engine.__dict__
+    out["closed"] = not {"step", "backward", "set_gradient_accumulation_boundary"} & set(engine.__dict__)
     out.update(_poisoned())
     return out
 
