@@ -66,3 +66,13 @@ def test_where_deepspeed_sums_the_share_is_the_divisor() -> None:
     got = _handed_out([3.0, -1.5], 13.0, 4, averages=False).double().tolist()
     for g, t in zip(got, [3.0, -1.5], strict=True):
         assert abs(g - t / 13.0) <= FLOAT32_ULP * abs(t / 13.0), (g, t)
+
+
+def test_where_deepspeed_sums_a_divisor_the_dtype_cannot_divide_by_is_refused_naming_the_sum() -> None:
+    """The message names the rule as DeepSpeed reduces: summing, the share is D itself (here 1e5, beyond a float16
+    gradient; exact() refuses fp16 engines, the wrapper's rule is the same for every dtype)."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    p.grad = torch.ones(2, dtype=torch.float16)
+    with pytest.raises(WindowError, match=r"DeepSpeed sums over the ranks, so each rank's gradient sum is divided by "
+                                          r"D = 100000\.0, which is beyond what float16 sums can be divided by"):
+        DeepSpeedZero(None, 1, averages=False).hand_out(SimpleNamespace(world=2, rank=1), 0, p, 1e5, True)  # type: ignore[arg-type]

@@ -65,11 +65,10 @@ class DeepSpeedZero(Plain):
         share = divisor / state.world if self.averages else divisor
         problem = divisor_problem(share, t.dtype)
         if problem is not None:
-            raise WindowError(
-                f"rank {state.rank}: the window's total weight D = {divisor!r} over {state.world} ranks: DeepSpeed "
-                f"averages over the ranks, so each rank's gradient sum is divided by D / world = {share!r}, which "
-                f"{problem}; nothing was stepped"
-            )
+            how = "averages over the ranks, so each rank's gradient sum is divided by D / world" if self.averages \
+                else "sums over the ranks, so each rank's gradient sum is divided by D"
+            raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r} over {state.world} "
+                              f"ranks: DeepSpeed {how} = {share!r}, which {problem}; nothing was stepped")
         _divide_or_fill(t, share)
 
     def close(self, state: State) -> None:
