@@ -6,8 +6,8 @@ A tiny token model, right-padded sequences (label -100 = ignore), a different nu
 rank in each window (none included); each microbatch back-propagates the SUM of its token losses inside
 ``acc.microbatch(weight=its tokens)``. Every step's applied gradient (SGD, lr 1: the parameters' change) is
 checked against one float64 forward/backward of all ranks' sequences of that window, divided by their tokens.
-On a CPU, DeepSpeed's first ``init_distributed`` in a new environment JIT-compiles its shared-memory op when a C++
-compiler and ninja are present: minutes once, before the first window.
+The config is as users write it (``gradient_accumulation_steps`` 3, ``train_batch_size = 1 x 3 x 2``): each
+``engine.step()`` still ends the window, and the divisor is its tokens, never 3.
 """
 
 import copy
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
 
 from gradagg.integrations.deepspeed import exact  # noqa: E402
 
@@ -38,14 +39,29 @@ def loss_sum(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
+def no_shared_memory_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory op at its first ``init_distributed``.
+
+    With a C++ compiler and ninja present, DeepSpeed's CPU accelerator JIT-compiles ``deepspeed_shm_comm`` there:
+    minutes on a small machine, for an op that serves only tensor-parallel inference (ZeRO reduces through
+    torch.distributed either way). DeepSpeed has no setting for it; its table of the ops this machine can build
+    (``deepspeed.ops.__compatible_ops__``, private in DeepSpeed 0.19.8), marked False, is the path it takes where the
+    op cannot build. Without that table DeepSpeed compiles as before: slower, the same results.
+    """
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def main() -> None:
+    no_shared_memory_op()  # before init_distributed, which would compile it
     deepspeed.init_distributed(dist_backend="gloo")
     rank, stage = dist.get_rank(), int(sys.argv[1]) if len(sys.argv) > 1 else 1
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Tanh(), torch.nn.Linear(8, VOCAB))
     truth_model = copy.deepcopy(model).double()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                       config=config)
     acc = exact(engine)

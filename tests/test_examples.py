@@ -102,7 +102,8 @@ def test_torchtitan_example_says_what_it_needs_before_it_starts_where_it_cannot_
 def test_deepspeed_example_applies_the_token_mean_in_every_window() -> None:
     """ZeRO-2 on 2 ranks, uneven microbatches (none on one rank in a window): each window's applied gradient
     within float32 round-off of the float64 token mean, and the divisor the window's tokens. The script runs through
-    a launcher that keeps DeepSpeed from compiling its shared-memory op first (minutes in a fresh environment)."""
+    a launcher under which DeepSpeed compiling its shared-memory op (minutes in a fresh environment) raises at once:
+    the example must keep it from compiling itself."""
     pytest.importorskip("deepspeed")
     paths = [str(Path(gradagg.__file__).resolve().parents[1]), str(EXAMPLES.parent)]  # gradagg, and tests' package
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(paths)}

@@ -18,6 +18,7 @@ DeepSpeed's shared-memory op is not compiled (see ``deepspeed_zero.no_shared_mem
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import random
@@ -32,6 +33,7 @@ pytest.importorskip("accelerate", reason="Accelerate is not installed (pip insta
 
 from gradagg.testing import run_local_world  # noqa: E402
 from tests.integrations.workers import deepspeed_all  # noqa: E402
+from tests.integrations.workers import deepspeed_steps as ds  # noqa: E402
 from tests.integrations.workers import deepspeed_zero as dz  # noqa: E402
 
 # float32 round-off: each gradient element sums a few dozen float32 token terms, scaled once by world / D and
@@ -49,17 +51,22 @@ CASES = ([("exact", s, c, 0) for s in STAGES for c in (0.0, CLIP)] + [("native",
 LOOPS = ["exact", "line", "native"]  # under Accelerate, see deepspeed_accel.accelerate_world
 TRAINER = {"exact": {"exact": True, "clip": CLIP}, "avg_tokens": {"avg_tokens": False}, "defaults": {},
            "bad": {"bad": {"rank": 0, "at": 2, "value": "nan"}}}  # a NaN count on rank 0's second microbatch
-TRAINER_STAGES = {s: [n for n in TRAINER if n != "defaults" or s == 2] for s in STAGES}
+# "auto" in the Trainer's config, filled by TrainingArguments: k 1, 2 and 4 over the stages (3 is "exact"'s)
+AUTO_K = dict(zip(STAGES, random.Random(SEED).sample([1, 2, 4], 3), strict=True))
+TRAINER_STAGES = {s: [n for n in TRAINER if n != "defaults" or s == 2] + ["auto"] for s in STAGES}
+STEPS = ds.sample(SEED), list(STAGES)  # configs as users write them; DeepSpeed's own loop under exact, per stage
 
 
 @pytest.fixture(scope="module")
 def world() -> dict[str, Any]:
-    trainer = {s: [TRAINER[n] for n in names] for s, names in TRAINER_STAGES.items()}
-    results = run_local_world(deepspeed_all.world, 2, CASES, dict.fromkeys(STAGES, LOOPS), trainer,
+    trainer = {s: [TRAINER[n] if n != "auto" else {"exact": True, "window": AUTO_K[s]} for n in names]
+               for s, names in TRAINER_STAGES.items()}
+    results = run_local_world(deepspeed_all.world, 2, CASES, dict.fromkeys(STAGES, LOOPS), trainer, STEPS,
                               timeout_s=300.0, collective_timeout_s=60.0, env={"DS_ACCELERATOR": "cpu"},
                               preload=["torch._dynamo"])
     return {"raw": [r["raw"] for r in results], "shm_op_built": [r["shm_op_built"] for r in results],
             "accelerate": {s: [r["accelerate"][s] for r in results] for s in STAGES},
+            "steps": [r["steps"] for r in results],
             "trainer": {s: [dict(zip(TRAINER_STAGES[s], r["trainer"][s], strict=True)) for r in results]
                         for s in STAGES}}
 
@@ -116,10 +123,66 @@ def test_random_plans_are_exact(world: dict[str, Any], stage: int) -> None:
 
 
 def test_unsupported_engines_are_refused_at_exact(world: dict[str, Any]) -> None:
-    """ZeRO stage 0 and gradient_accumulation_steps 3: a GradaggError naming the stage or the setting."""
+    """ZeRO stage 0: a GradaggError naming the stage."""
     for r in world["raw"]:
         assert r["stage0"][0] == "GradaggError" and "ZeRO stage 0" in r["stage0"][1], r["stage0"]
-        assert r["steps3"][0] == "GradaggError" and "gradient_accumulation_steps is 3" in r["steps3"][1], r["steps3"]
+
+
+def test_deepspeed_configs_as_users_write_them_are_exact(world: dict[str, Any]) -> None:
+    """A seeded sample of gradient_accumulation_steps k 1..4 (given, or derived from train_batch_size) x ZeRO 1/2/3
+    x uneven microbatch counts per rank (a rank with none, a short last window, more than k), DeepSpeed's reduction
+    averaging or summing over the ranks (gradient_allreduce_op "sum", ZeRO-1/2): every window is exact
+    against the float64 truth, its divisor is its count (tokens, or microbatches unweighted), never k, and DeepSpeed
+    steps the optimizer and its scheduler once per window. Rerun one sample with GRADAGG_FUZZ_SEED=<seed>."""
+    cases, reached = STEPS[0], collections.Counter(c for case in STEPS[0] for c in ds.classes(case))
+    print(f"seed {SEED}: classes reached {dict(sorted(reached.items()))}")
+    wanted = {f"k={k}" for k in range(1, 5)} | {f"zero-{s}" for s in STAGES} | {
+        "derived k", "explicit k", "weighted", "unweighted", "a rank with no microbatch", "a window short of k",
+        "config scheduler", "torch scheduler", "ZeRO-3 padded to one microbatch each, k > 1",
+        "gradient_allreduce_op mean", "gradient_allreduce_op sum"}
+    assert wanted <= set(reached), wanted - set(reached)
+    for r in world["steps"]:
+        for case, got in zip(cases, r["cases"], strict=True):
+            windows = len(case["plan"])
+            counts = [sum(v for c in w for v in c) if case["weighted"] else sum(len(c) for c in w)
+                      for w in case["plan"]]
+            assert "raised" not in got and max(got["errors"]) < TOLERANCE, (SEED, case, got)
+            assert got["k"] == case["k"] and got["divisors"] == counts, (SEED, case, got)
+            assert got["global_steps"] == windows and got["scheduler_steps"] == windows, (SEED, case, got)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_deepspeeds_own_loop_is_refused_on_every_rank(world: dict[str, Any], stage: int) -> None:
+    """engine.step() after every microbatch (DeepSpeed's recipe, k = 3) under exact: both ranks raise a WindowError at
+    the first engine.step(), naming why, and neither the optimizer nor the scheduler steps. Then windows of one
+    microbatch per rank: declared with set_gradient_accumulation_boundary(True), taken; the next, undeclared, refused
+    again (a declaration holds for its window); after a window of 3 + 1 (not DeepSpeed's loop), taken."""
+    fragment = "engine.step() after one microbatch on every rank, with gradient_accumulation_steps 3"
+    for r in world["steps"]:
+        case = r["recipe"][stage]
+        assert "raised" not in case, case
+        assert case["refused"].startswith("WindowError: rank ") and fragment in case["refused"], case
+        assert len(case["later_refusals"]) == 1 and fragment in case["later_refusals"][0], case
+        assert case["steps_after_refusal"] == [0, 0] and case["steps"] == [3, 3], case
+        assert len(case["errors"]) == 3 and max(case["errors"]) < TOLERANCE, case
+
+
+def test_a_share_float32_cannot_divide_by_is_refused_on_every_rank(world: dict[str, Any]) -> None:
+    """A total weight D = 2e-38 over 2 ranks: DeepSpeed averages, so each rank's sum is divided by D / 2, below
+    float32's smallest normal: both ranks raise a WindowError naming it, no step; the next window is exact."""
+    for r in world["steps"]:
+        case = r["tiny_share"]
+        assert "raised" not in case, case
+        assert case["refused"].startswith("WindowError: ") and "D / world = 1e-38" in case["refused"], case
+        assert case["steps_after_refusal"] == [0, 0] and case["error_after"] < TOLERANCE, case
+
+
+def test_auto_in_a_raw_config_is_refused_by_deepspeed(world: dict[str, Any]) -> None:
+    """"auto" is the Hugging Face integration's to fill (TrainingArguments): deepspeed.initialize on a raw config
+    with "gradient_accumulation_steps": "auto" raises (DeepSpeed 0.19.8: a TypeError comparing it with 0), so exact()
+    never meets it. Should DeepSpeed start resolving it, this fails and exact() must be checked against it."""
+    for r in world["steps"]:
+        assert r["auto"] is not None and r["auto"].startswith("TypeError"), r["auto"]
 
 
 def test_a_bad_weight_on_one_rank_raises_on_every_rank(world: dict[str, Any]) -> None:
@@ -207,6 +270,19 @@ def test_the_trainers_defaults_under_deepspeed_are_already_exact(world: dict[str
     print(f"ZeRO-2 under the Trainer, its defaults: relative errors {[w['error'] for w in default['windows']]}")
     assert [w["sequences"] for w in default["windows"]] == [12, 8], default
     assert max(w["error"] for w in default["windows"]) < TOLERANCE, default["windows"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_fills_auto_with_its_gradient_accumulation_steps(world: dict[str, Any], stage: int) -> None:
+    """"auto" filled by TrainingArguments.gradient_accumulation_steps k (1, 2 or 4, seeded over the stages) under
+    exact(trainer): one step per window of k microbatches (the epoch's 5 leave a short last one), each exact."""
+    k = AUTO_K[stage]
+    auto = world["trainer"][stage][0]["auto"]
+    sizes = [4 * k] * (5 // k) + ([4 * (5 % k)] if 5 % k else [])  # 2 sequences per microbatch, 2 ranks
+    print(f"ZeRO-{stage}, auto = {k}: relative errors {[w['error'] for w in auto['windows']]}")
+    assert auto["steps"] == len(sizes) and auto["engine_steps"] == len(sizes), auto
+    assert [w["sequences"] for w in auto["windows"]] == sizes, auto
+    assert max(w["error"] for w in auto["windows"]) < TOLERANCE, auto["windows"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

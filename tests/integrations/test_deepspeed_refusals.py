@@ -59,6 +59,16 @@ def test_accelerate_refuses_what_deepspeeds_accumulator_cannot_make_exact(engine
     assert fragment in str(caught.value), caught.value
 
 
+def test_an_engine_that_does_not_say_how_it_reduces_is_refused() -> None:
+    """Each rank's share of D is D / world where DeepSpeed averages and D where it sums (gradient_allreduce_op): an
+    engine without DeepSpeed 0.19.8's ``gradient_average`` flag cannot tell which, and is refused at exact()."""
+    from gradagg.integrations.deepspeed import exact
+
+    engine: Any = _Engine(1)
+    with pytest.raises(GradaggError, match=r"exact\(engine\): .* averages or sums \(no bool gradient_average\)"):
+        exact(engine)
+
+
 def test_accelerate_still_refuses_megatron() -> None:
     with pytest.raises(GradaggError, match="MEGATRON_LM runs its own backward"):
         engine: Any = _Engine(1)

@@ -5,7 +5,7 @@ mean of microbatch means, wrong when microbatches hold different token counts, d
 even in a short last window, and under ZeRO-2 and -3 it cannot run different microbatch counts per rank. With
 the accumulator returned here a loop back-propagates each microbatch's *summed* loss::
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)  # gradient_accumulation_steps: 1
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)  # the config as it is
     acc = exact(engine)
     for window in windows:                        # any number of microbatches per rank, zero included
         for batch in window:
@@ -22,19 +22,31 @@ accumulator's, and DeepSpeed reduces the gradients. What it does, and why:
   reduction), opened by the first microbatch or backward, or by ``engine.step()`` on a rank that ran none.
 * **the divisor**: ``engine.step()`` runs ``finish()`` first: the counters' exchange (one small all-reduce, with
   each rank's status, so that a bad weight on one rank raises on every rank), then every local gradient is
-  multiplied by ``world / D`` (zeros where a parameter has none) and the block exits: DeepSpeed's average, which
+  divided by ``D / world`` (zeros where a parameter has none) and the block exits: DeepSpeed's average, which
   its optimizer applies after its own clipping, is the sum over all microbatches divided by D, the total weight
-  (M without weights). A refused window hands DeepSpeed zeros (its reduction still runs on every rank), is
-  dropped, and no step is taken.
-* **gradient_accumulation_steps must be 1**: DeepSpeed steps on every k-th ``engine.step()``; here the window is
-  the accumulation, and a loop that still called ``engine.step()`` after every microbatch would silently take k
-  times as many steps, so ``exact`` refuses it instead. Each ``engine.step()`` steps the optimizer exactly once.
+  (M without weights), never ``gradient_accumulation_steps``. A refused window hands DeepSpeed zeros (its
+  reduction still runs on every rank), is dropped, and no step is taken.
+* **gradient_accumulation_steps** k stays in the config as users write it (``train_batch_size = micro x k x
+  world`` is DeepSpeed's check): each ``engine.step()`` declares the boundary through DeepSpeed's public
+  ``set_gradient_accumulation_boundary(True)``, so DeepSpeed steps its optimizer, and its learning-rate scheduler,
+  exactly once per window, however many microbatches it held. DeepSpeed's own loop, ``engine.step()`` after every
+  microbatch, would then step k times as often: with k > 1, a window in which every rank ran exactly one
+  microbatch that counts (weight-0 padding does not) is refused at its ``engine.step()``, on every rank, naming
+  why, until a window shows a rank with two or more (one small all-reduce per window until then; DeepSpeed's loop
+  never has two); a window of one microbatch per rank is declared with
+  ``engine.set_gradient_accumulation_boundary(True)`` before its ``engine.step()`` (for that window only).
+  ``"auto"`` is the Hugging Face integration's to fill; DeepSpeed's ``initialize`` itself raises on it in a raw
+  config.
+* **gradient_allreduce_op**: DeepSpeed's reduction averages over the ranks by default, and each rank's sum is
+  divided by ``D / world``; with ``"gradient_allreduce_op": "sum"`` (ZeRO-1 and -2) it sums them, and each rank's
+  sum is divided by D. The engine's ``gradient_average`` says which; an engine without it is refused.
 * **ZeRO-3** gathers parameters collectively in every forward: its ranks must run the same number of
   microbatches (a rank that ran out pads with ``acc.microbatch(weight=0)`` and ``engine.backward(0 * loss)``);
   unpadded, a collective times out (a ``CollectiveError`` on the rank waiting in the window's all-reduce).
 
-``engine.step`` and ``engine.backward`` are wrapped on the engine instance (``close()`` restores them): the
-backward never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
+``engine.step``, ``engine.backward`` and ``engine.set_gradient_accumulation_boundary`` are wrapped on the engine
+instance (``close()`` restores them; the last records a declared boundary, for the window it ends): the backward
+never divides by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``), a backward outside a
 microbatch poisons the window (``engine.step()`` then raises on every rank), and a step always steps. Under
 Accelerate's DeepSpeed plugin, ``acc = gradagg.integrations.accelerate.exact(accelerator, engine, optimizer)`` (this
 class on the engine ``accelerator.prepare`` returned), then ``with accelerator.accumulate(engine): with
@@ -62,10 +74,11 @@ from gradagg.torch.accumulate.ledger import Ledger
 from gradagg.torch.accumulate.params import Params
 from gradagg.torch.accumulate.seam import Choice, Choose, Wrapper
 from gradagg.torch.accumulate.terms_after import Microbatch
+from gradagg.torch.accumulate.window import weight_values
 from gradagg.torch.accumulate.wrappers.deepspeed import DeepSpeedZero
 from gradagg.torch.accumulate.wrappers.fsdp import Mode
 from gradagg.torch.accumulate.wrappers.padding import Pad
-from gradagg.torch.collectives import Group, get_world_size
+from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_world_size
 
 
 class DeepSpeedAccumulator(MicrobatchAccumulator):
@@ -75,9 +88,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         """Wrap ``engine.step`` and ``engine.backward`` (see the module's docstring).
 
         Args:
-            engine: a ZeRO stage 1, 2 or 3 float32 ``DeepSpeedEngine``. Its ``gradient_accumulation_steps`` is
-                not checked here: Accelerate, which calls ``engine.step()`` only on its sync microbatch, may keep
-                its own; a raw loop goes through :func:`exact`, which requires 1.
+            engine: a ZeRO stage 1, 2 or 3 float32 ``DeepSpeedEngine``, any ``gradient_accumulation_steps``.
 
         Raises:
             GradaggError: see :func:`exact`.
@@ -88,16 +99,24 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         self._engine = engine
         super().__init__(engine.module)
         self._finished = False  # finish() ran and engine.step() has not yet
+        self._one_per_step_ruled_out = False  # a window had a rank with 2+ microbatches: not DeepSpeed's own loop
+        # whether the caller declared this window's end (set_gradient_accumulation_boundary(True) since the last
+        # step): recorded here, as DeepSpeed's own flag stays True after each step, and its counter of steps answers
+        # for it before any was set
+        self._declared = False
         self._step: Any = engine.step
         self._backward: Any = engine.backward
-        engine.step, engine.backward = self._wrapped_step, self._wrapped_backward  # the instance's, see close()
+        self._set_boundary: Any = engine.set_gradient_accumulation_boundary
+        # the instance's, see close()
+        engine.step, engine.backward = self._wrapped_step, self._wrapped_backward
+        engine.set_gradient_accumulation_boundary = self._wrapped_set_boundary
 
     def _chooser(self, fsdp: Mode, pad: Pad) -> Choose:
         engine = self._engine
 
         def choose(params: Params, group: Group, span: Any) -> Choice:
             def make() -> Wrapper:
-                return DeepSpeedZero(engine, len(params.tensors))
+                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average))
 
             return Choice(group, span, make)
 
@@ -162,19 +181,64 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         """
         if self._state.window.open and not self._state.closed:
             raise WindowError("close() with a window open", remedy="call engine.step() on every rank first")
-        for name in ("step", "backward"):
+        for name in ("step", "backward", "set_gradient_accumulation_boundary"):
             self._engine.__dict__.pop(name, None)
         super().close()
 
     def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
         if not self._finished:
+            self._refuse_deepspeeds_loop()
             self.finish()
         self._finished = False
+        self._declared = False  # a declaration holds for its own window
         # A finished window must be stepped on: DeepSpeed's flush restored the boundary flag of the window's start
         # (Accelerate sets it False on every microbatch but the last), and a step skipped on a boundary False would
         # leave the reduced gradients for the next window's flush to add to.
-        self._engine.set_gradient_accumulation_boundary(True)
+        self._set_boundary(True)
         return self._step(*args, **kwargs)
+
+    def _wrapped_set_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's ``set_gradient_accumulation_boundary``, its last value before ``engine.step()`` recorded."""
+        self._declared = bool(is_boundary)
+        self._set_boundary(is_boundary)
+
+    def _refuse_deepspeeds_loop(self) -> None:
+        """With ``gradient_accumulation_steps`` k > 1, refuse on every rank a window in which every rank ran exactly
+        one microbatch that counts (a weight-0 one, ZeRO-3's padding, does not), none ran two, and not every rank
+        declared the boundary: DeepSpeed's own loop (``engine.step()`` after every microbatch), which exact() would
+        step k times as often as DeepSpeed does. Checked until a window in which some rank ran two or more
+        microbatches, which DeepSpeed's loop never has: one all-reduce of three numbers per window until then.
+
+        Raises:
+            WindowError: on every rank (each decides from the same sums); the window is dropped (DeepSpeed's
+                reduction runs on zeros) and nothing steps.
+            CollectiveError: a rank did not reach ``engine.step()`` within the group's timeout.
+        """
+        steps = int(self._engine.gradient_accumulation_steps())
+        if self._one_per_step_ruled_out or steps == 1:
+            return
+        st, w = self._state, self._state.window
+        ran = w.m + int(w.in_microbatch)  # Accelerate steps inside its sync microbatch (and declares the boundary)
+        counted = ran - sum(1 for v in weight_values(w.weights) if v == 0)
+        declared = self._declared
+        flags = torch.tensor([float(counted == 1), float(declared), float(ran >= 2)], dtype=torch.float64,
+                             device=device_for(st.group))
+        one, said, more = all_reduce_sum(flags, st.group).tolist()
+        self._one_per_step_ruled_out = more > 0
+        if one < st.world or said == st.world or more > 0:
+            return
+        if w.in_microbatch:
+            self._end_microbatch()
+        self.discard()
+        raise WindowError(
+            f"rank {st.rank}: engine.step() after one microbatch on every rank, with gradient_accumulation_steps "
+            f"{steps} in the DeepSpeed config: that is DeepSpeed's own loop, whose optimizer steps on every "
+            f"{steps}th engine.step(), but under exact(engine) every engine.step() ends the window and steps, so it "
+            f"would step {steps} times as often; nothing was stepped and the window is dropped",
+            remedy="call engine.step() once per window, after its last microbatch (any number per rank); a window of "
+            "one microbatch per rank is declared with engine.set_gradient_accumulation_boundary(True) before its "
+            "engine.step()",
+        )
 
     def _wrapped_backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         """DeepSpeed's backward, never divided by ``gradient_accumulation_steps`` (the window divides, once), always
@@ -190,22 +254,22 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``) with ZeRO stage 1, 2 or 3, float32,
-            ``gradient_accumulation_steps`` 1, data parallelism only.
+            data parallelism only; any ``gradient_accumulation_steps`` (each ``engine.step()`` ends a window).
 
     Returns:
         A :class:`DeepSpeedAccumulator`; run each microbatch's backward in its ``microbatch(weight=...)``.
 
     Raises:
-        GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, ``gradient_accumulation_steps``
-            other than 1, pipeline, tensor or sequence parallelism, or a DeepSpeed without
-            ``coalesce_grad_reduction`` (before 0.19).
+        GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, pipeline, tensor or sequence
+            parallelism, a DeepSpeed without ``coalesce_grad_reduction`` (before 0.19) or without the engine's
+            ``gradient_average`` flag.
 
     >>> exact(torch.nn.Linear(2, 1))
     Traceback (most recent call last):
     ...
     gradagg.errors.GradaggError: exact(engine): a Linear is not a DeepSpeed 0.19+ engine (no coalesce_grad_reduction)
     """
-    problem = _unsupported(engine) or _steps_problem(engine)
+    problem = _unsupported(engine)
     if problem is not None:
         raise GradaggError(f"exact(engine): {problem}")
     return DeepSpeedAccumulator(engine)
@@ -222,19 +286,14 @@ def _unsupported(engine: Any) -> str | None:
         return f"ZeRO stage {stage} with fp16 or bf16 is not supported yet: gradagg is verified with float32 only"
     if getattr(engine, "pipeline_parallelism", False) or not engine.managed_gradient_accumulation():
         return "pipeline parallelism and managed_gradient_accumulation=false are not supported"
+    if not isinstance(getattr(engine, "gradient_average", None), bool):
+        # DeepSpeed 0.19.8's engine attribute for its config's gradient_allreduce_op ("mean" or "sum"): without it,
+        # whether its reduction averages or sums, and so each rank's share of D, is unknown
+        return "the engine does not say whether its reduction averages or sums (no bool gradient_average)"
     if engine.dp_world_size != get_world_size():
         return (f"the data-parallel world has {engine.dp_world_size} ranks but the process group "
                 f"{get_world_size()}: tensor, sequence or expert parallelism is not supported")
     return None
-
-
-def _steps_problem(engine: Any) -> str | None:
-    steps = engine.gradient_accumulation_steps()
-    if steps == 1:
-        return None
-    return (f"gradient_accumulation_steps is {steps} in the DeepSpeed config, expected 1: the window between two "
-            f"engine.step() calls is the accumulation, and a loop that still called engine.step() after every "
-            f"microbatch would step {steps} times as often as DeepSpeed does")
 
 
 __all__ = ["DeepSpeedAccumulator", "exact"]

@@ -26,8 +26,9 @@ LR = 1.0
 
 
 def stage_world(stage: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every case (``exact``, ``clip``, ``avg_tokens``, ``bad`` as in :func:`hf.bad_count`) under ZeRO ``stage``, one
-    after the other on this rank."""
+    """Every case (``exact``, ``clip``, ``avg_tokens``, ``bad`` as in :func:`hf.bad_count`, ``window``: the
+    TrainingArguments' gradient_accumulation_steps, which fills the config's ``"auto"``, 3 unless given) under ZeRO
+    ``stage``, one after the other on this rank."""
     hf.launcher_environment()
     dz.no_shared_memory_op()
     return [_case(stage, case) for case in cases]
@@ -66,7 +67,8 @@ def _trainer(stage: int, case: dict[str, Any], out: str) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
-        output_dir=out, per_device_train_batch_size=hf.PER_DEVICE, gradient_accumulation_steps=hf.WINDOW,
+        output_dir=out, per_device_train_batch_size=hf.PER_DEVICE,
+        gradient_accumulation_steps=case.get("window", hf.WINDOW),
         num_train_epochs=1, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=case.get("clip", 0.0), logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=7, average_tokens_across_devices=case.get("avg_tokens", True), ddp_timeout=60,

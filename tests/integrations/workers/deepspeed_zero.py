@@ -216,7 +216,7 @@ def _refusals() -> dict[str, Any]:
     from gradagg.integrations.deepspeed import exact
 
     out: dict[str, Any] = {}
-    for name, stage, steps in (("stage0", 0, 1), ("steps3", 1, 3)):
+    for name, stage, steps in (("stage0", 0, 1),):
         try:
             exact(_engine(stage, 0.0, steps))
             out[name] = None
@@ -240,7 +240,7 @@ def _refusals() -> dict[str, Any]:
     truth = _truth(before, [[4], [2]], 0, 0.0, False)
     out["after_refusal_error"] = float((applied - truth).norm() / truth.norm())
     acc.close()
-    out["closed"] = "step" not in engine.__dict__ and "backward" not in engine.__dict__
+    out["closed"] = not {"step", "backward", "set_gradient_accumulation_boundary"} & set(engine.__dict__)
     out.update(_poisoned())
     return out
 

@@ -4,9 +4,13 @@ DeepSpeed's ``engine.coalesce_grad_reduction()`` (public, 0.19+) keeps every bac
 parameters and issues one reduction when its block exits, averaging over the data-parallel ranks. So a window is
 one such block, entered when the window opens: every parameter is *external* (DeepSpeed reduces it; the flat
 buffer carries the counters only), and the gradient hooks count participation without taking any gradient. At
-``finish()``, after the counters' exchange, each local gradient is multiplied by ``world / D`` (a parameter
-without one gets zeros: every rank must hand DeepSpeed's reduction the same tensors, or its collectives
-mismatch), and the block exits: DeepSpeed's average is then the sum over every microbatch of every rank / D.
+``finish()``, after the counters' exchange, each local gradient is divided by this rank's share of the divisor,
+``D / world`` (a parameter without one gets zeros: every rank must hand DeepSpeed's reduction the same tensors, or
+its collectives mismatch), and the block exits: DeepSpeed's average is then the sum over every microbatch of every
+rank / D. Where DeepSpeed sums over the ranks instead (``"gradient_allreduce_op": "sum"``), the share is D.
+The share goes through the one divisor rule (:func:`~gradagg.torch.accumulate.counting.divisor_problem`):
+dividing by a normal float32 rounds once, as the flat buffer's division by D does, where multiplying by
+``world / D`` lost bits when that factor fell near float32's smallest normal and overflowed beyond its largest.
 A dropped window hands DeepSpeed zeros and exits the block, so its reduction still runs on every rank.
 
 DeepSpeed is never imported here: the engine is the caller's (see :mod:`gradagg.integrations.deepspeed`).
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gradagg.errors import WindowError
+from gradagg.torch.accumulate.counting import divisor_problem
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.wrappers.plain import Plain
 
@@ -29,13 +35,16 @@ class DeepSpeedZero(Plain):
     Args:
         engine: a ``DeepSpeedEngine`` with ZeRO stage 1, 2 or 3 (checked by the caller).
         n_params: how many parameters the accumulator holds (all of them external).
+        averages: whether DeepSpeed's reduction averages over the ranks (its default) or sums them
+            (``"gradient_allreduce_op": "sum"``): each rank's share of D is then D / world, or D.
     """
 
     name = "deepspeed"
 
-    def __init__(self, engine: Any, n_params: int) -> None:
+    def __init__(self, engine: Any, n_params: int, averages: bool = True) -> None:
         super().__init__()
         self.engine = engine
+        self.averages = averages
         self.external = frozenset(range(n_params))
         self.block: contextlib.ExitStack | None = None  # the window's coalesce_grad_reduction(), while open
 
@@ -46,7 +55,21 @@ class DeepSpeedZero(Plain):
             self.block = stack
 
     def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
-        _scale_or_fill(t, state.world / divisor)
+        """Divide ``t``'s local gradient by its share of D (zeros where it has none): ``D / world`` where DeepSpeed
+        then averages over the ranks, D where it sums them.
+
+        Raises:
+            WindowError: on every rank (D and the world are the same on each) when ``t``'s dtype cannot divide by
+                the share; the caller drops the window (:meth:`discard`).
+        """
+        share = divisor / state.world if self.averages else divisor
+        problem = divisor_problem(share, t.dtype)
+        if problem is not None:
+            how = "averages over the ranks, so each rank's gradient sum is divided by D / world" if self.averages \
+                else "sums over the ranks, so each rank's gradient sum is divided by D"
+            raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r} over {state.world} "
+                              f"ranks: DeepSpeed {how} = {share!r}, which {problem}; nothing was stepped")
+        _divide_or_fill(t, share)
 
     def close(self, state: State) -> None:
         block, self.block = self.block, None
@@ -57,7 +80,7 @@ class DeepSpeedZero(Plain):
         if self.block is None:
             return
         for t in state.tensors:
-            _scale_or_fill(t, 0.0)
+            _divide_or_fill(t, None)
         self.close(state)
 
     def refuses_terms(self) -> str | None:
@@ -65,18 +88,18 @@ class DeepSpeedZero(Plain):
                 "cannot be kept apart")
 
 
-def _scale_or_fill(p: torch.Tensor, factor: float) -> None:
-    """Multiply ``p``'s local gradient by ``factor``; give it a zero one when it has none.
+def _divide_or_fill(p: torch.Tensor, share: float | None) -> None:
+    """Divide ``p``'s local gradient by ``share`` (None: zero it); give it a zero one when it has none.
 
     Under ZeRO-3 a parameter between forwards holds an empty partition, while its gradient has the full shape
     (``ds_shape``, DeepSpeed's attribute): torch's ``.grad`` setter refuses a gradient of another shape, so the
     zeros go in through ``.data``, as DeepSpeed's own stage 3 does.
     """
     if p.grad is not None:
-        if factor == 0:
+        if share is None:
             p.grad.zero_()
         else:
-            p.grad.mul_(factor)
+            p.grad.div_(share)
         return
     shape = tuple(getattr(p, "ds_shape", p.shape))
     zeros = torch.zeros(shape, dtype=p.dtype, device=p.device)
