@@ -38,9 +38,13 @@ each optimizer's last step, missed every loop where no step marks a window's end
 step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) checks each
 optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of
 ``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
-torchtitan's ``dist_utils``), so they meet the wrappers; code that imported a function by name before the
-first accumulator was built does not. The originals are put back when the last accumulator goes (unless
-someone replaced them meanwhile).
+torchtitan's ``dist_utils``), so they meet the wrappers. Code that holds a function by another name (imported
+before the first accumulator was built, a ``functools.partial``, ``get_total_norm`` or ``torch._foreach_norm`` by
+hand) does not: it meets the placeholders that stand in ``.grad`` between microbatches instead
+(:mod:`gradagg.torch.held`), which refuse any read and fail the window, so that :func:`agree` and ``finish()``
+refuse it on every rank. The step hooks are global: an optimizer built before the first accumulator, or its
+``step`` held as a bound method, meets them too. The originals are put back when the last accumulator goes
+(unless someone replaced them meanwhile).
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradagg.errors import GradaggError, WindowError
+from gradagg.torch.accumulate.window import READ
 from gradagg.torch.collectives import all_gather_into
+from gradagg.torch.held import Veil
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
@@ -71,12 +77,14 @@ class Entry:
         attached: the optimizers (wrappers and inner ones) ``attach`` hooked, with the finish to run.
         leaves: those whose step touches the gradients (torch optimizers), for :func:`refuse_second`.
         marks: attached leaf -> ``state.finished`` at its last step (or at ``attach``), see :func:`due`.
+        veil: the placeholders in the parameters' ``.grad`` between microbatches (see :mod:`gradagg.torch.held`).
     """
 
     state: weakref.ReferenceType[State]
     attached: weakref.WeakKeyDictionary[Any, Finish] = field(default_factory=weakref.WeakKeyDictionary)
     leaves: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     marks: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
+    veil: Veil = field(default_factory=Veil)
 
 
 _entries: dict[int, Entry] = {}  # id(state) -> entry, while the state lives and is not closed
@@ -101,8 +109,26 @@ def register(state: State) -> Registration:
 
 
 def _forget(key: int) -> None:
-    if _entries.pop(key, None) is not None and not _entries:
-        _patching.uninstall()
+    entry = _entries.pop(key, None)
+    if entry is not None:
+        entry.veil.lift()  # closed or dropped mid-window: no placeholder outlives its accumulator
+        if not _entries:
+            _patching.uninstall()
+
+
+def veil(state: State) -> None:
+    """Between microbatches of an open window: the held gradients' placeholders into ``.grad`` (see
+    :mod:`gradagg.torch.held`)."""
+    entry = _entries.get(id(state))
+    if entry is not None and entry.state() is state:
+        entry.veil.put(state)
+
+
+def unveil(state: State) -> None:
+    """Before the accumulator's own work on ``.grad`` (a microbatch, ``finish()``, ``discard()``): back to None."""
+    entry = _entries.get(id(state))
+    if entry is not None and entry.state() is state:
+        entry.veil.lift()
 
 
 def entry_of(state: State) -> Entry:
@@ -162,19 +188,20 @@ def agree(state: State, what: str) -> bool:
         True when gradients are held (a window open somewhere).
 
     Raises:
-        WindowError: on every rank, when a rank is inside ``microbatch()``, or the ranks ask about different
-            accumulators (built or used in another order).
+        WindowError: on every rank, when a rank is inside ``microbatch()``, or a rank's window was failed by a read
+            of its held gradients (:mod:`gradagg.torch.held`), or the ranks ask about different accumulators (built
+            or used in another order).
         CollectiveError: the collective failed or timed out (a rank that did not clip or step).
     """
     w = state.window
+    row = [*state.identity, float(w.open), float(w.in_microbatch), float(w.status == READ)]
     if state.world == 1:
-        rows = [[*state.identity, float(w.open), float(w.in_microbatch)]]
+        rows = [row]
     else:
-        mine = torch.tensor([*state.identity, float(w.open), float(w.in_microbatch)], dtype=torch.float64)
-        mine = mine.to(state.device)
+        mine = torch.tensor(row, dtype=torch.float64).to(state.device)
         out = all_gather_into(torch.empty(mine.numel() * state.world, dtype=mine.dtype,
                                           device=mine.device), mine, state.group)
-        rows = out.view(-1, 4).tolist()
+        rows = out.view(-1, len(row)).tolist()
     ids = [(int(r[0]), int(r[1])) for r in rows]
     if len(set(ids)) > 1:
         names = "; ".join(f"rank {r}: accumulator #{i[0]} (layout {i[1]:08x})" for r, i in enumerate(ids))
@@ -185,6 +212,13 @@ def agree(state: State, what: str) -> bool:
     inside = [r for r, row in enumerate(rows) if row[3]]
     if inside:
         raise WindowError(f"{what} called inside microbatch() (on rank(s) {inside}): clip and step after finish()")
+    read = [r for r, row in enumerate(rows) if row[4]]
+    if read:
+        raise WindowError(
+            f"rank {state.rank}: {what} refused: on rank(s) {read} something read the gradients {state.label()} still "
+            "held, before finish() (a norm or clip by a name taken before the accumulator was built?); discard() the "
+            "window on every rank"
+        )
     return any(row[2] for row in rows)
 
 
