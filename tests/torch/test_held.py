@@ -13,11 +13,13 @@ import collections
 import functools
 import gc
 import json
+import os
 import random
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,7 +64,8 @@ def test_clip_bound_before_import_is_refused() -> None:
             out["finish"] = [type(exc).__name__, str(exc)]
         print(json.dumps(out))
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}  # this checkout's gradagg
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     for name in ("from_import", "alias"):
