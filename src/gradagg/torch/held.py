@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradagg.errors import WindowError
+from gradagg.torch.accumulate.window import OUTSIDE, READ
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
@@ -49,7 +50,8 @@ _ADDING = {"aten::add_", "aten::add"}
 
 
 class HeldGradient(torch.Tensor):
-    """The ``.grad`` of parameter ``index`` of an accumulator, between microbatches (see the module docstring)."""
+    """The ``.grad`` of an accumulator's parameter ``param`` (its index), between microbatches (see the module
+    docstring); ``held_by`` is the accumulator's state, weakly."""
 
     held_by: weakref.ReferenceType[State]
     param: int
@@ -82,8 +84,6 @@ def _dispatch(func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     state = first.held_by()
     if name in _ADDING and args and args[0] is first:
         if state is not None and state.window.open:
-            from gradagg.torch.accumulate.window import OUTSIDE
-
             param = state.names[first.param]
             state.window.fail(OUTSIDE, f"parameter {param!r} got a gradient outside microbatch() (not counted in M)")
         return args[0] if name == "aten::add_" else args[1]
@@ -94,8 +94,6 @@ def refusal(state: State | None, index: int, what: str) -> WindowError:
     """The error of a read of a held gradient, the window failed (status ``READ``) so that every rank refuses."""
     if state is None:
         return WindowError(f"{what} read a gradient of an accumulator that no longer exists")
-    from gradagg.torch.accumulate.window import READ
-
     why = (
         f"{what} read the gradient of parameter {state.names[index]!r}, which {state.label()} still holds (a window "
         "is open: the gradient is in its buffer until finish(), so a norm, clip or step now would see none)"
