@@ -79,8 +79,8 @@ class HeldGradient(torch.Tensor):
 def _dispatch(func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     name = func._schema.name  # e.g. "aten::linalg_vector_norm"
     first = next(a for a in _flat([*args, *kwargs.values()]) if isinstance(a, HeldGradient))
-    if name in _ZEROING:
-        return args[0]
+    if name in _ZEROING:  # zero_ and detach_ return the tensor; _foreach_zero_ returns nothing
+        return None if name == "aten::_foreach_zero_" else args[0]
     state = first.held_by()
     if name in _ADDING and args and args[0] is first:
         if state is not None and state.window.open:
