@@ -1,12 +1,13 @@
 """No step or clip may silently miss the gradients an accumulator still holds.
 
-During a window every counted gradient sits in the accumulator's buffer and ``.grad`` is None (see
-:mod:`gradagg.torch.accumulate.hooks`). A gradient clip or an optimizer step that runs before ``finish()``
-would see nothing: the clip clips nothing, the step skips every parameter, silently. This module keeps
-that from happening, with one rule that every rank evaluates the same way.
+During a window every counted gradient sits in the accumulator's buffer and ``.grad`` holds none (None, or
+between microbatches a placeholder that refuses any read: see :mod:`gradagg.torch.accumulate.hooks` and
+:mod:`gradagg.torch.held`). A gradient clip or an optimizer step that runs before ``finish()`` would see nothing:
+the clip clips nothing, the step skips every parameter, silently. This module keeps that from happening, with
+one rule that every rank evaluates the same way.
 
 **Held.** An accumulator's gradients are *held* while a window is open on any rank of its group: counted
-gradients sit in its buffer and ``.grad`` is None. A rank whose own window is not open (it ran no microbatch
+gradients sit in its buffer and ``.grad`` holds none. A rank whose own window is not open (it ran no microbatch
 yet) cannot see that alone, so a clip or step over an accumulator's parameters in a group of several ranks asks
 them, with one small ``all_gather`` (:func:`agree`): each rank sends the accumulator's identity (see
 :mod:`gradagg.torch.accumulate.lifetime`), whether its window is open and whether it is inside a microbatch. Every
@@ -291,7 +292,7 @@ def check_step(optimizer: Any) -> None:
         if agree(state, what):
             raise WindowError(
                 f"{what} would skip the gradients {state.label()} still holds (a window is open on some rank: "
-                ".grad is None until finish()); call acc.finish() before optimizer.step(), or acc.attach(optimizer) "
+                ".grad holds none until finish()); call acc.finish() before optimizer.step(), or acc.attach(optimizer) "
                 "so that its step finishes the window first (or close() an accumulator no longer used)"
             )
 
@@ -323,7 +324,7 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
         why = "(the norm was computed before, on no gradient) " if name == "clip_grads_with_norm_" else ""
         raise WindowError(
             f"torch.nn.utils.{name} called on parameters whose gradients {state.label()} still holds {why}(the "
-            "window was not finished: .grad is None, nothing would be clipped); call acc.finish() before clipping"
+            "window was not finished: .grad holds none, nothing would be clipped); call acc.finish() before clipping"
             + ("" if name == "clip_grads_with_norm_" else ", or acc.attach(optimizer): a clip then finishes first")
         )
 
