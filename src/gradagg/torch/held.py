@@ -14,7 +14,7 @@ of the parameter's shape, dtype and device with no storage, whose every torch op
   rank, and so does every clip or step the guard agrees on (:func:`gradagg.torch.guard.agree`), until ``discard()``.
   A rank that ran no microbatch holds no placeholder (its ``.grad`` is None, its read sees nothing): it learns of the
   refusal at its next collective of the window, the finish or a guarded clip or step; a rank that stops on the
-  error instead leaves the others a :class:`~gradagg.errors.CollectiveError` at the collective timeout;
+  error instead leaves the others a :class:`~gradagg.errors.CollectiveError` there, within the collective timeout;
 * zeroing it (``zero_grad(set_to_none=False)``) does nothing, as zeroing a None ``.grad`` did;
 * adding into it (a backward outside ``microbatch()``, autograd's accumulation; ``p.grad += g`` by hand) fails the
   window as a gradient outside a microbatch does;
