@@ -46,6 +46,7 @@ CASES: dict[str, hf.Case] = {
     "exact/clip": {"exact": True, "clip": CLIP},
     "native/clip": {"clip": CLIP},
     "exact/clip_no_kwargs": {"exact": True, "clip": CLIP, "loss_kwargs": False},
+    "exact/two_optimizers": {"exact": True, "clip": CLIP, "two": True},  # one container over two, as Trainer holds
     "native/clip_no_kwargs": {"clip": CLIP, "loss_kwargs": False},
     "exact/tagging": {"exact": True, "loss": "tagging", "weight": True},
     "native/tagging": {"loss": "tagging"},

@@ -20,6 +20,8 @@ from tests.torch.workers import clips
 from tests.torch.workers import dist as w
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}
+# a name for the clip taken before any accumulator was built (where one was, the guard's wrapper: what it wraps)
+EARLY_CLIP = getattr(torch.nn.utils.clip_grad_norm_, "__gradagg_original__", torch.nn.utils.clip_grad_norm_)
 TOL = 1e-12  # float64, two windows of <= 3 microbatch means summed in another order than the twin's
 
 
@@ -122,7 +124,8 @@ def test_random_programs(seed: int) -> None:
     """Random loops of microbatch / clip / step / finish, attached or not: a clip or step while the window is
     open raises (not attached) or sees the finished window (attached: the clip's norm is not 0); nothing else
     raises, but an attached step with no microbatch since the last one. The wrong fix "let the clip
-    through" would fail the norm check."""
+    through" would fail the norm check. A clip by a name taken before any accumulator ("early") raises while
+    the window is open, attached or not (the placeholder refuses it), and the window is then discarded."""
     rng = random.Random(seed)
     attached = seed % 2 == 1
     model = w.TinyMoE()
@@ -131,9 +134,13 @@ def test_random_programs(seed: int) -> None:
     if attached:
         acc.attach(opt)
     batches = w.microbatches(8, seed=seed + 1)
-    for _ in range(40):
-        op = rng.choice(["mb", "mb", "clip", "step", "finish"])
+    reached, kinds = set(), {(op, o) for op in ("clip", "step", "early") for o in (True, False)}
+    for k in range(200):  # 40 draws, then on until every kind was drawn, window open and not
+        if k >= 40 and kinds <= reached:
+            break
+        op = rng.choice(["mb", "mb", "clip", "step", "finish", "early"])
         open_ = acc.state.window.open
+        reached.add((op, open_))
         try:
             if op == "mb":
                 if not open_:
@@ -145,9 +152,16 @@ def test_random_programs(seed: int) -> None:
                 assert not open_ or (norm > 0 and not acc.state.window.open), f"seed {seed}: clip saw nothing"
             elif op == "step":
                 opt.step()
+            elif op == "early":
+                norm = float(EARLY_CLIP(model.parameters(), 1e9))
+                assert not open_ and (norm > 0) == any(p.grad is not None for p in model.parameters()), seed
             elif open_:
                 acc.finish()
         except WindowError as exc:
+            if op == "early":  # the window is refused with the read: start afresh
+                assert open_ and "read the gradient" in str(exc), f"seed {seed}: {exc}"
+                acc.discard()
+                continue
             refused = open_ and not attached and op in ("clip", "step")
             # attached, a second step with no microbatch between: it finishes an empty window (M = 0, or the
             # last step's gradients still there): the loop's own mistake, refused on every rank; start afresh
@@ -156,13 +170,15 @@ def test_random_programs(seed: int) -> None:
             if empty:
                 acc.discard()
     acc.close()
+    assert kinds <= reached, (seed, kinds - reached)
 
 
 def test_two_ranks() -> None:
     """Windows of counts [2, 0] then [0, 3]: attached, the clip finishes on both ranks and the steps equal the
     twin's clipped ones; not attached, every clip and step before finish() raises on both ranks, the rank with
     no microbatch included, and a step after the window's step (nothing held anywhere) passes; torchtitan's
-    clip raises on both; the originals are back at the end."""
+    clip (its norm reads the held gradients' placeholders) raises on both, and the step is refused until
+    discard(); the originals are back at the end."""
     for r in run_local_world(clips.guard_world, 2, **WORLD):
         assert r["attached"]["error"] <= TOL and r["attached"]["norm_error"] <= TOL
         na = r["not_attached"]
@@ -173,6 +189,7 @@ def test_two_ranks() -> None:
         assert na["error"] <= TOL
         tt = r["torchtitan"]
         if not tt.get("skipped"):
-            assert tt["raised"] is not None and "clip_grads_with_norm_" in tt["raised"][1]
-            assert tt["divisor"] == 2
+            assert tt["raised"] is not None and "read the gradient of parameter" in tt["raised"][1], tt
+            assert tt["step"] is not None and "discard()" in tt["step"][1], tt
+            assert tt["divisor"] == 3
         assert r["restored"]

@@ -27,6 +27,8 @@ What it changes, and why:
   meaning itself (DDP's forward sync off while it holds DDP, one broadcast from rank 0 per window, in ``finish()``).
 * one ``acc.microbatch()`` per ``accelerator.accumulate()`` block, inside it: an ``accumulate()`` entered inside
   the microbatch would count with the divisor set to 1, and is refused.
+* two optimizers over disjoint parameters (Muon beside AdamW), both prepared: ``exact(accelerator, model,
+  [opt_a, opt_b])`` attaches both, and each steps on the window's exact gradient.
 
 Under Accelerate's DeepSpeed plugin (ZeRO stage 1, 2 or 3, float32) ``exact`` returns a
 :class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` on the engine ``accelerator.prepare`` returned (pass it
@@ -106,7 +108,9 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
             processes; the ``DeepSpeedEngine`` under its DeepSpeed plugin; FSDP2-sharded under its FSDP2 plugin,
             untested here: on a CPU machine Accelerate gives DDP instead).
-        optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned.
+        optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned, or a list of them over
+            disjoint parameters (Muon beside AdamW, a GAN's two): each is attached; the window's first step (or
+            clip) finds it finished, and the others step on the same gradients.
         **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...);
             none under DeepSpeed.
 
@@ -115,7 +119,8 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
         under DeepSpeed); run each microbatch in its ``microbatch(weight=...)``.
 
     Raises:
-        GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned; under DeepSpeed, ``model`` not
+        GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned (nor a non-empty list of them); two
+            optimizers sharing a parameter (naming both); under DeepSpeed, ``model`` not
             its engine, options given, or what :func:`gradagg.integrations.deepspeed.exact` refuses (ZeRO stage 0,
             fp16, bf16, pipeline or tensor parallelism); Megatron-LM, which runs its own backward and
             accumulation; several processes in the environment but no
@@ -125,14 +130,23 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
     _check_accelerator(accelerator)
     if "DEEPSPEED" in str(getattr(accelerator, "distributed_type", "")):
         return _deepspeed(model, options)
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(inner, torch.optim.Optimizer):
-        raise GradaggError(
-            f"exact(accelerator, model, optimizer): optimizer is a {type(optimizer).__name__}, not the "
-            "AcceleratedOptimizer that accelerator.prepare returned"
-        )
+    optimizers = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
+    for k, one in enumerate(optimizers):
+        if not isinstance(getattr(one, "optimizer", None), torch.optim.Optimizer):
+            where = f"optimizer[{k}]" if isinstance(optimizer, list | tuple) else "optimizer"
+            raise GradaggError(
+                f"exact(accelerator, model, optimizer): {where} is a {type(one).__name__}, not the "
+                "AcceleratedOptimizer that accelerator.prepare returned"
+            )
+    if not optimizers:
+        raise GradaggError("exact(accelerator, model, optimizer): optimizer is an empty list; give the prepared ones")
     acc = AcceleratedAccumulator(accelerator, model, **options)
-    acc.attach(optimizer)  # a step over a window still held finishes it first (removed by close())
+    try:
+        for one in optimizers:  # a step over a window still held finishes it first (removed by close())
+            acc.attach(one)
+    except BaseException:
+        acc.close()  # an overlap refused: the accumulator holds no parameter after the error
+        raise
     return acc
 
 

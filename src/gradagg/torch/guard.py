@@ -1,12 +1,13 @@
 """No step or clip may silently miss the gradients an accumulator still holds.
 
-During a window every counted gradient sits in the accumulator's buffer and ``.grad`` is None (see
-:mod:`gradagg.torch.accumulate.hooks`). A gradient clip or an optimizer step that runs before ``finish()``
-would see nothing: the clip clips nothing, the step skips every parameter, silently. This module keeps
-that from happening, with one rule that every rank evaluates the same way.
+During a window every counted gradient sits in the accumulator's buffer and ``.grad`` holds none (None, or
+between microbatches a placeholder that refuses any read: see :mod:`gradagg.torch.accumulate.hooks` and
+:mod:`gradagg.torch.held`). A gradient clip or an optimizer step that runs before ``finish()`` would see nothing:
+the clip clips nothing, the step skips every parameter, silently. This module keeps that from happening, with
+one rule that every rank evaluates the same way.
 
 **Held.** An accumulator's gradients are *held* while a window is open on any rank of its group: counted
-gradients sit in its buffer and ``.grad`` is None. A rank whose own window is not open (it ran no microbatch
+gradients sit in its buffer and ``.grad`` holds none. A rank whose own window is not open (it ran no microbatch
 yet) cannot see that alone, so a clip or step over an accumulator's parameters in a group of several ranks asks
 them, with one small ``all_gather`` (:func:`agree`): each rank sends the accumulator's identity (see
 :mod:`gradagg.torch.accumulate.lifetime`), whether its window is open and whether it is inside a microbatch. Every
@@ -38,9 +39,13 @@ each optimizer's last step, missed every loop where no step marks a window's end
 step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) checks each
 optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of
 ``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
-torchtitan's ``dist_utils``), so they meet the wrappers; code that imported a function by name before the
-first accumulator was built does not. The originals are put back when the last accumulator goes (unless
-someone replaced them meanwhile).
+torchtitan's ``dist_utils``), so they meet the wrappers. Code that holds a function by another name (imported
+before the first accumulator was built, a ``functools.partial``, ``get_total_norm`` or ``torch._foreach_norm`` by
+hand) does not: it meets the placeholders that stand in ``.grad`` between microbatches instead
+(:mod:`gradagg.torch.held`), which refuse any read and fail the window, so that :func:`agree` and ``finish()``
+refuse it on every rank. The step hooks are global: an optimizer built before the first accumulator, or its
+``step`` held as a bound method, meets them too. The originals are put back when the last accumulator goes
+(unless someone replaced them meanwhile).
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradagg.errors import GradaggError, WindowError
+from gradagg.torch.accumulate.window import READ
 from gradagg.torch.collectives import all_gather_into
+from gradagg.torch.held import Veil
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.state import State
@@ -71,12 +78,14 @@ class Entry:
         attached: the optimizers (wrappers and inner ones) ``attach`` hooked, with the finish to run.
         leaves: those whose step touches the gradients (torch optimizers), for :func:`refuse_second`.
         marks: attached leaf -> ``state.finished`` at its last step (or at ``attach``), see :func:`due`.
+        veil: the placeholders in the parameters' ``.grad`` between microbatches (see :mod:`gradagg.torch.held`).
     """
 
     state: weakref.ReferenceType[State]
     attached: weakref.WeakKeyDictionary[Any, Finish] = field(default_factory=weakref.WeakKeyDictionary)
     leaves: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     marks: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
+    veil: Veil = field(default_factory=Veil)
 
 
 _entries: dict[int, Entry] = {}  # id(state) -> entry, while the state lives and is not closed
@@ -101,8 +110,26 @@ def register(state: State) -> Registration:
 
 
 def _forget(key: int) -> None:
-    if _entries.pop(key, None) is not None and not _entries:
-        _patching.uninstall()
+    entry = _entries.pop(key, None)
+    if entry is not None:
+        entry.veil.lift()  # closed or dropped mid-window: no placeholder outlives its accumulator
+        if not _entries:
+            _patching.uninstall()
+
+
+def veil(state: State) -> None:
+    """Between microbatches of an open window: the held gradients' placeholders into ``.grad`` (see
+    :mod:`gradagg.torch.held`)."""
+    entry = _entries.get(id(state))
+    if entry is not None and entry.state() is state:
+        entry.veil.put(state)
+
+
+def unveil(state: State) -> None:
+    """Before the accumulator's own work on ``.grad`` (a microbatch, ``finish()``, ``discard()``): back to None."""
+    entry = _entries.get(id(state))
+    if entry is not None and entry.state() is state:
+        entry.veil.lift()
 
 
 def entry_of(state: State) -> Entry:
@@ -162,19 +189,20 @@ def agree(state: State, what: str) -> bool:
         True when gradients are held (a window open somewhere).
 
     Raises:
-        WindowError: on every rank, when a rank is inside ``microbatch()``, or the ranks ask about different
-            accumulators (built or used in another order).
+        WindowError: on every rank, when a rank is inside ``microbatch()``, or a rank's window was failed by a read
+            of its held gradients (:mod:`gradagg.torch.held`), or the ranks ask about different accumulators (built
+            or used in another order).
         CollectiveError: the collective failed or timed out (a rank that did not clip or step).
     """
     w = state.window
+    row = [*state.identity, float(w.open), float(w.in_microbatch), float(w.status == READ)]
     if state.world == 1:
-        rows = [[*state.identity, float(w.open), float(w.in_microbatch)]]
+        rows = [row]
     else:
-        mine = torch.tensor([*state.identity, float(w.open), float(w.in_microbatch)], dtype=torch.float64)
-        mine = mine.to(state.device)
+        mine = torch.tensor(row, dtype=torch.float64).to(state.device)
         out = all_gather_into(torch.empty(mine.numel() * state.world, dtype=mine.dtype,
                                           device=mine.device), mine, state.group)
-        rows = out.view(-1, 4).tolist()
+        rows = out.view(-1, len(row)).tolist()
     ids = [(int(r[0]), int(r[1])) for r in rows]
     if len(set(ids)) > 1:
         names = "; ".join(f"rank {r}: accumulator #{i[0]} (layout {i[1]:08x})" for r, i in enumerate(ids))
@@ -185,6 +213,13 @@ def agree(state: State, what: str) -> bool:
     inside = [r for r, row in enumerate(rows) if row[3]]
     if inside:
         raise WindowError(f"{what} called inside microbatch() (on rank(s) {inside}): clip and step after finish()")
+    read = [r for r, row in enumerate(rows) if row[4]]
+    if read:
+        raise WindowError(
+            f"rank {state.rank}: {what} refused: on rank(s) {read} something read the gradients {state.label()} still "
+            "held, before finish() (a norm or clip by a name taken before the accumulator was built?); discard() the "
+            "window on every rank"
+        )
     return any(row[2] for row in rows)
 
 
@@ -257,7 +292,7 @@ def check_step(optimizer: Any) -> None:
         if agree(state, what):
             raise WindowError(
                 f"{what} would skip the gradients {state.label()} still holds (a window is open on some rank: "
-                ".grad is None until finish()); call acc.finish() before optimizer.step(), or acc.attach(optimizer) "
+                ".grad holds none until finish()); call acc.finish() before optimizer.step(), or acc.attach(optimizer) "
                 "so that its step finishes the window first (or close() an accumulator no longer used)"
             )
 
@@ -289,7 +324,7 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
         why = "(the norm was computed before, on no gradient) " if name == "clip_grads_with_norm_" else ""
         raise WindowError(
             f"torch.nn.utils.{name} called on parameters whose gradients {state.label()} still holds {why}(the "
-            "window was not finished: .grad is None, nothing would be clipped); call acc.finish() before clipping"
+            "window was not finished: .grad holds none, nothing would be clipped); call acc.finish() before clipping"
             + ("" if name == "clip_grads_with_norm_" else ", or acc.attach(optimizer): a clip then finishes first")
         )
 

@@ -14,7 +14,7 @@ mean over the unshifted labels; ``"tagging_div"`` and ``"tagging_or1"``, the sam
 ``num_items_in_batch``; ``"causal"``, transformers' causal LM loss; counted by ``weight=`` when ``weight`` is set),
 ``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`), ``rows`` (the
 number of sequences, both ranks together, instead of 20) with ``even_batches`` (Accelerate's; False: a rank may run
-one microbatch more).
+one microbatch more), ``two`` (two optimizers in one container, :class:`TwoOptimizers`).
 """
 
 from __future__ import annotations
@@ -208,8 +208,30 @@ def build_trainer(case: Case, out: str, checkpoint: str | None = None) -> Any:
         return SFTTrainer(model=model, args=training_args(case, out), train_dataset=Dataset.from_list(rows),
                           processing_class=tl.tokenizer(), **func)
     tagging = {"compute_loss_func": LOSS_FUNCS[case["loss"]]} if case.get("loss") else {}
+    if case.get("two"):
+        tagging["optimizers"] = (TwoOptimizers(model), None)
     return Trainer(model=model, args=training_args(case, out), train_dataset=rows, data_collator=tl.collate,
                    **tagging)
+
+
+class TwoOptimizers(torch.optim.Optimizer):
+    """Two optimizers as a Trainer holds them (it holds one): a container exposing them as ``optimizers``, as
+    torchtitan's ``OptimizersContainer`` does; Muon beside AdamW's split, the matrices in SGD, the rest in Adam."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if p.ndim == 2 and "embed" not in n]
+        rest = [p for n, p in named if p.ndim != 2 or "embed" in n]
+        self.optimizers = [torch.optim.SGD(matrices, lr=0.05), torch.optim.Adam(rest, lr=0.01)]
+        super().__init__([{"params": matrices}, {"params": rest}], {"lr": 0.05})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
 
 
 def _message(exc: BaseException) -> str:

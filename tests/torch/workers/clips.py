@@ -88,8 +88,9 @@ def not_attached() -> dict[str, Any]:
 
 
 def torchtitan_clip() -> dict[str, Any]:
-    """torchtitan's dist_utils.clip_grad_norm_ (get_total_norm over [p.grad ...], then clip_grads_with_norm_):
-    the norm is computed on no gradient before the guard can see the parameters, so every rank raises."""
+    """torchtitan's dist_utils.clip_grad_norm_ (get_total_norm over [p.grad ...], then clip_grads_with_norm_), both
+    ranks running microbatches: get_total_norm reads the held gradients' placeholders and raises on every rank,
+    failing the window; the step is then refused on every rank until discard(); the next window steps."""
     try:
         from torchtitan.distributed import utils as dist_utils
     except ImportError:
@@ -98,9 +99,14 @@ def torchtitan_clip() -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     acc = MicrobatchAccumulator(model)
     acc.attach(opt)
-    run_window(acc, model, 0)
+    for b in w.my_share([2, 1], dist.get_rank(), seed=1):
+        with acc.microbatch():
+            w.loss_of(model, b).backward()
     out = {"raised": w.error_of(lambda: dist_utils.clip_grad_norm_(model.parameters(), CLIP))}
-    opt.step()  # still held: the step finishes it
+    out["step"] = w.error_of(opt.step)  # the window was read: refused on every rank
+    acc.discard()
+    run_window(acc, model, 1)
+    opt.step()  # a fresh window: the step finishes it
     out["divisor"] = acc.ledger.divisor
     acc.close()
     return out

@@ -227,7 +227,8 @@ def guard_fuzz(seeds: list[int]) -> list[dict[str, Any]]:
         model = w.TinyMoE()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         acc = MicrobatchAccumulator(model)
-        open_any, batches = False, w.microbatches(4, seed=seed + 1)
+        open_any, read, batches = False, False, w.microbatches(4, seed=seed + 1)
+        opened = [False, False]  # whose own window is open: the same plan on both ranks
         for step in range(30):
             op = rng.choice(["mbs", "mbs", "clip", "step", "finish", "discard", "new_opt", "hand"])
             if op == "mbs":
@@ -238,26 +239,39 @@ def guard_fuzz(seeds: list[int]) -> list[dict[str, Any]]:
                     with acc.microbatch():
                         w.loss_of(model, b).backward()
                 open_any = open_any or sum(counts) > 0
+                opened = [o or c > 0 for o, c in zip(opened, counts)]
             elif op in ("clip", "step"):
                 got = w.error_of(opt.step if op == "step" else functools.partial(
                     torch.nn.utils.clip_grad_norm_, list(model.parameters()), 1.0))
                 out.append({"seed": seed, "step": step, "op": op, "held": open_any, "error": got and got[0]})
             elif op == "finish" and open_any:
-                acc.finish()
-                open_any = False
+                got = w.error_of(acc.finish)  # a window whose held gradients were read is refused on every rank
+                out.append({"seed": seed, "step": step, "op": op, "held": read, "error": got and got[0]})
+                if read:
+                    acc.discard()
+                open_any = read = False
+                opened = [False, False]
             elif op == "discard":
                 acc.discard()
-                open_any = False
+                open_any = read = False
+                opened = [False, False]
             elif op == "new_opt":
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            elif op == "hand":
-                with torch.no_grad():
-                    for p in model.parameters():
-                        if p.grad is not None:
-                            p -= 0.1 * p.grad
+            elif op == "hand":  # an update by hand reads the held gradients' placeholders on a rank whose own
+                got = w.error_of(functools.partial(update_by_hand, model))  # window is open: refused there, and
+                out.append({"seed": seed, "step": step, "op": op, "held": opened[rank], "error": got and got[0]})
+                read = read or any(opened)  # the window with it, on every rank
         acc.close()
         out.append({"seed": seed, "params": [p.detach().clone() for p in model.parameters()]})
     return out
+
+
+def update_by_hand(model: nn.Module) -> None:
+    """``p -= lr * p.grad`` over the parameters with a gradient, as a hand-written step does."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
 
 
 def lifetime_world() -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.options import NonFinite, check_nonfinite
+from gradagg.torch import guard
 from gradagg.torch.accumulate import attaching, hooks, lifetime, opening, terms, terms_after
 from gradagg.torch.accumulate import finish as finishing
 from gradagg.torch.accumulate.ledger import DIVIDED, Ledger
@@ -168,6 +169,7 @@ class MicrobatchAccumulator:
         st = self._open_state()
         if st.window.in_microbatch:
             raise WindowError("microbatch() entered inside another microbatch(); microbatches do not nest")
+        guard.unveil(st)  # autograd accumulates into .grad: None again until the microbatch ends (see torch.held)
         value = None if weight is None else check_weight(weight)
         lookahead, st.window.next_last = st.window.next_last, None
         last = last or bool(lookahead)
@@ -203,6 +205,7 @@ class MicrobatchAccumulator:
         finally:
             w.in_microbatch = w.in_last = False
             st.wrapper.after_microbatch(st)
+            guard.veil(st)  # between microbatches a read of a held .grad refuses, whatever name it comes by
 
     def _end_microbatch(self) -> None:
         """Count the running microbatch now, its backward done, so that :meth:`finish` may run inside its ``with``
@@ -341,6 +344,7 @@ class MicrobatchAccumulator:
         st = self._open_state()
         if st.window.in_microbatch:
             raise WindowError("finish() called inside microbatch(); finish after the last microbatch's with-block")
+        guard.unveil(st)
         return finishing.finish(st)
 
     def discard(self) -> None:
@@ -350,6 +354,7 @@ class MicrobatchAccumulator:
         >>> acc.discard(); acc.ledger.microbatches_local
         0
         """
+        guard.unveil(self._state)
         finishing.discard(self._state)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> Any:

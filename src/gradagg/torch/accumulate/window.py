@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from gradagg.torch.accumulate.buckets import Sender
     from gradagg.torch.accumulate.terms_after import TermSums
 
-OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET, TERM = range(12)
+OK, RAISED, OUTSIDE, STALE, CHANGED, WEIGHT, LATE, UNSUPPORTED, PEER, KEPT, HAND_SET, TERM, READ = range(13)
 STATUS_TEXT = {
     RAISED: "poisoned (a microbatch raised after gradients were accumulated)",
     OUTSIDE: "poisoned (a backward ran outside microbatch(): not counted in M)",
@@ -32,6 +32,7 @@ STATUS_TEXT = {
     KEPT: "let FSDP sum microbatches into a bf16 or fp16 .grad (fsdp='every_microbatch')",
     HAND_SET: "had a .grad set by hand where no microbatch can count it (between microbatches, or on a shard)",
     TERM: "could not count its loss terms (see the message of the rank named)",
+    READ: "had a held gradient read before finish() (a norm, clip or step by a name the guard could not replace)",
 }
 
 
