@@ -4,7 +4,8 @@ One process, no world: :class:`gradagg.torch.pipeline.counts.Counts` (what ``Pip
 against :mod:`gradagg.torch.accumulate.counting` (what ``MicrobatchAccumulator`` counts with) and against
 ``MicrobatchAccumulator.finish()`` itself, over counts drawn from what a hostile loss function returns: floats
 anywhere in float64 (NaN, Inf, negative, huge), ints beyond float64, tensors of several dtypes (on the meta device
-too), and what is not one real number. The expected values are computed here, independently. The step's refusal
+too), and what is not one real number. The expected values are computed here, independently of ``counting``: which
+counts are refused, which one is named and why, and the total (an exact rational sum, rounded once). The step's refusal
 on every rank, in these words, is tests/torch/test_pipeline.py's.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import hypothesis.strategies as st
 import torch
@@ -60,6 +62,34 @@ def _value(count: object) -> float:
         return math.inf if count > 0 else -math.inf  # type: ignore[operator]
 
 
+def _refused(count: object) -> bool:
+    """Whether a count is not one real number, independently: bool, complex, text, None, a list, a tensor of bool,
+    of complex numbers or of more than one element (one element of any shape is a pipeline count)."""
+    if isinstance(count, torch.Tensor):
+        return count.numel() != 1 or count.dtype == torch.bool or count.is_complex()
+    return isinstance(count, (bool, complex, str, list)) or count is None
+
+
+def _problem(kept: list[tuple[object, float]]) -> str | None:
+    """The fragment the first count that cannot count is named by, independently: a tensor on the meta device, a
+    value that is NaN, infinite or negative (by its microbatch), else an exact sum (Fraction) beyond float64."""
+    for k, (count, value) in enumerate(kept):
+        if isinstance(count, torch.Tensor) and count.is_meta:
+            return f"microbatch {k} has a weight tensor on the meta device"
+        if value != value or value in (math.inf, -math.inf) or value < 0:
+            return f"microbatch {k} has weight {value}:"
+    return None if _total(kept) is not None else "sum beyond float64"
+
+
+def _total(kept: list[tuple[object, float]]) -> float | None:
+    """The float64 recount: the exact rational sum of the values, rounded once (None beyond float64, or for a value
+    that is not finite)."""
+    try:
+        return float(sum((Fraction(v) for _, v in kept), Fraction(0)))
+    except (OverflowError, ValueError):  # a sum beyond float64; Fraction(inf), Fraction(nan)
+        return None
+
+
 def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
@@ -95,6 +125,7 @@ def test_pipeline_counts_as_the_accumulator(counts: list[object]) -> None:
         loss = torch.zeros((), requires_grad=True)
         as_weight = c.reshape(()) if isinstance(c, torch.Tensor) and c.numel() == 1 else c  # what differs
         refused = _raised(pipe.record, loss, c)
+        assert (refused is not None) == _refused(c), (c, refused)
         assert refused == _raised(tally.add, as_weight), (c, refused)
         if refused is None:
             losses.append(loss)
@@ -102,13 +133,15 @@ def test_pipeline_counts_as_the_accumulator(counts: list[object]) -> None:
             if isinstance(c, torch.Tensor) and not c.is_meta:
                 c.fill_(7)  # a count tensor the loss function reuses: each microbatch counted its value when given
     pipe.keep(losses)
-    want = tally.read()
-    assert _same(pipe.read.values, want.values) and _same(pipe.read.values, tuple(v for _, v in kept)), counts
-    assert pipe.read.problem == want.problem, (pipe.read, want)
-    assert want.problem is not None or pipe.read.total == want.total == math.fsum(v for _, v in kept)
-    assert (pipe.problems() != []) == (want.problem is not None)
+    want, problem, total = tally.read(), _problem(kept), _total(kept)
+    assert _same(pipe.read.values, tuple(v for _, v in kept)) and _same(pipe.read.values, want.values), counts
+    assert pipe.read.problem == want.problem, (pipe.read, want)  # the same words as the accumulator's
+    assert (want.problem is None) == (problem is None) and (problem is None or problem in want.problem), (
+        want.problem, problem)
+    assert problem is not None or pipe.read.total == want.total == total, (pipe.read, total)
+    assert (pipe.problems() != []) == (problem is not None)
     if kept:  # none: no microbatch to compare (the accumulator's M = 0 is its own refusal)
-        _accumulator_agrees([w for w, _ in kept], want)
+        _accumulator_agrees([w for w, _ in kept], Read(want.values, want.problem, math.nan if total is None else total))
 
 
 def test_the_pipeline_names_a_count_in_the_accumulators_words() -> None:
@@ -134,3 +167,18 @@ def test_a_python_float_count_is_taken_exactly() -> None:
         pipe.record(loss, count)
     pipe.keep(losses)
     assert local_tokens(pipe, True) == (16777217.0, 0.1, 1e308)
+
+
+def test_counts_are_summed_exactly_and_rounded_once() -> None:
+    """Ten counts of 0.1 total 1.0 and 1e16 + 1 + 1 totals 1e16 + 2 (a running float sum gives 0.9999999999999999
+    and 1e16): the pipeline's total and the accumulator's divisor are the exact sum rounded once."""
+    for counts in ([0.1] * 10, [1e16, 1.0, 1.0]):
+        want = _total([(c, c) for c in counts])
+        assert want in (1.0, 1e16 + 2)
+        pipe = Counts()
+        losses = [torch.zeros((), requires_grad=True) for _ in counts]
+        for loss, c in zip(losses, counts):
+            pipe.record(loss, c)
+        pipe.keep(losses)
+        assert pipe.read.total == want, (counts, pipe.read.total)
+        _accumulator_agrees(counts, Read(tuple(counts), None, want))
