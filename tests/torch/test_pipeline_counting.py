@@ -12,6 +12,7 @@ on every rank, in these words, is tests/torch/test_pipeline.py's.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -112,28 +113,36 @@ def _accumulator_agrees(counts: list[object], want: Read) -> None:
     assert want.problem is None and divisor == want.total, (want, divisor)
 
 
+# the classes of counts and steps the draws must reach (test_pipeline_counts_as_the_accumulator)
+CLASSES = ("refused: not one number", "a tensor of shape (1,)", "a tensor overwritten after", "named: meta tensor",
+           "named: NaN, infinite or negative", "named: a sum beyond float64", "counted")
+reached: Counter[str] = Counter()
+
+
 @seed(COUNT_SEED)
 @settings(max_examples=150, deadline=None)
 @given(counts=st.lists(COUNTS, min_size=1, max_size=5))
-def test_pipeline_counts_as_the_accumulator(counts: list[object]) -> None:
-    """Each count: refused by the pipeline exactly when the accumulator refuses it, with the same message; the
-    rest, each taken when given (a tensor overwritten after counts its value then), read to the same values
-    (exact: no float32 rounding of 16777217.0 or 0.1), named by the same problem, summed to the same exact total;
-    MicrobatchAccumulator.finish() over them refuses in those words or divides by that total."""
+def pipeline_counts(counts: list[object]) -> None:
+    """One step's counts of test_pipeline_counts_as_the_accumulator."""
     pipe, tally, losses, kept = Counts(), Tally(), [], []
     for c in counts:
         loss = torch.zeros((), requires_grad=True)
         as_weight = c.reshape(()) if isinstance(c, torch.Tensor) and c.numel() == 1 else c  # what differs
         refused = _raised(pipe.record, loss, c)
         assert (refused is not None) == _refused(c), (c, refused)
+        reached.update(["refused: not one number"] * (refused is not None) + ["a tensor of shape (1,)"] * (
+            refused is None and isinstance(c, torch.Tensor) and c.dim() == 1))
         assert refused == _raised(tally.add, as_weight), (c, refused)
         if refused is None:
             losses.append(loss)
             kept.append((as_weight.clone() if isinstance(as_weight, torch.Tensor) else as_weight, _value(c)))
             if isinstance(c, torch.Tensor) and not c.is_meta:
                 c.fill_(7)  # a count tensor the loss function reuses: each microbatch counted its value when given
+                reached["a tensor overwritten after"] += 1
     pipe.keep(losses)
     want, problem, total = tally.read(), _problem(kept), _total(kept)
+    if kept:
+        reached[_class_of(problem)] += 1
     assert _same(pipe.read.values, tuple(v for _, v in kept)) and _same(pipe.read.values, want.values), counts
     assert pipe.read.problem == want.problem, (pipe.read, want)  # the same words as the accumulator's
     assert (want.problem is None) == (problem is None) and (problem is None or problem in want.problem), (
@@ -142,6 +151,25 @@ def test_pipeline_counts_as_the_accumulator(counts: list[object]) -> None:
     assert (pipe.problems() != []) == (problem is not None)
     if kept:  # none: no microbatch to compare (the accumulator's M = 0 is its own refusal)
         _accumulator_agrees([w for w, _ in kept], Read(want.values, want.problem, math.nan if total is None else total))
+
+
+def _class_of(problem: str | None) -> str:
+    if problem is None:
+        return "counted"
+    if "meta" in problem:
+        return "named: meta tensor"
+    return "named: a sum beyond float64" if "sum beyond" in problem else "named: NaN, infinite or negative"
+
+
+def test_pipeline_counts_as_the_accumulator() -> None:
+    """Each count: refused by the pipeline exactly when the accumulator refuses it, with the same message; the
+    rest, each taken when given (a tensor overwritten after counts its value then), read to the same values
+    (exact: no float32 rounding of 16777217.0 or 0.1), named by the same problem, summed to the same exact total;
+    MicrobatchAccumulator.finish() over them refuses in those words or divides by that total. The steps drawn
+    (COUNT_SEED) reach every class in CLASSES."""
+    reached.clear()
+    pipeline_counts()
+    assert all(reached[c] > 0 for c in CLASSES), reached
 
 
 def test_the_pipeline_names_a_count_in_the_accumulators_words() -> None:
