@@ -11,6 +11,7 @@ against the float64 one-process full batch.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -67,6 +68,29 @@ def test_the_torch_formula_is_the_reference(seed: int) -> None:
     for mode in Mode:
         value, _, want = wm.truth(mode, seqs)
         assert close(value, want), (mode, value, want)
+
+
+def test_the_seeded_windows_reach_every_layout() -> None:
+    """The windows and microbatches the seeded tests above draw (SEEDS) reach each layout they are meant to check:
+    padded rows, cu_seqlens and position_ids, a sequence split over two microbatches, a fully masked sequence, a
+    microbatch holding several sequences and one holding a single one."""
+    reached: Counter[str] = Counter()
+    for seed in SEEDS:
+        seqs = wm.make_window(seed)
+        reached.update(["a fully masked sequence"] * sum(not bool(x.mask.any()) for x in seqs))
+        for split in (False, True):
+            micros = wm.share(seqs, [5 + seed % 5], seed, split)[0]
+            for mb in micros:
+                lay = mb.layout
+                style = "cu_seqlens" if lay.cu_seqlens is not None else (
+                    "position_ids" if lay.position_ids is not None else "rows")
+                pieces = len(lay.seq_ids or [])
+                reached.update([style, "several sequences" if pieces > 1 else "a single sequence"])
+            ids = [i for mb in micros for i in (mb.layout.seq_ids or [])]
+            reached.update(["a sequence split over two microbatches"] * (len(ids) - len(set(ids))))
+    want = ["rows", "cu_seqlens", "position_ids", "a sequence split over two microbatches", "a fully masked sequence",
+            "several sequences", "a single sequence"]
+    assert all(reached[c] > 0 for c in want), reached
 
 
 @pytest.mark.parametrize("seed", SEEDS)
