@@ -210,3 +210,15 @@ def test_counts_are_summed_exactly_and_rounded_once() -> None:
         pipe.keep(losses)
         assert pipe.read.total == want, (counts, pipe.read.total)
         _accumulator_agrees(counts, Read(tuple(counts), None, want))
+
+
+def test_a_count_of_zero_counts_zero() -> None:
+    """A microbatch counting 0 (every label masked) is no problem: it adds 0 to the total, which the others make
+    (absent, zero and NaN are three things: only NaN is named)."""
+    pipe = Counts()
+    losses = [torch.zeros((), requires_grad=True) for _ in range(3)]
+    for loss, count in zip(losses, [0, torch.tensor(0.0), 5]):
+        pipe.record(loss, count)
+    pipe.keep(losses)
+    assert (pipe.read.problem, pipe.read.total, pipe.problems()) == (None, 5.0, [])
+    _accumulator_agrees([0.0, 0.0, 5.0], Read((0.0, 0.0, 5.0), None, 5.0))
