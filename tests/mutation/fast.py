@@ -3,7 +3,7 @@
 mutmut runs each mutant's tests in a process it forks, and learns which tests reach which function from calls in
 that process only: a rank's calls are not seen, and a world per mutant would cost seconds. The scoped mutation run
 therefore uses the one-process tests; what only a world reaches is counted as "no tests" in its report
-(docs/mutation.md), not as killed.
+(bench/MUTATION.md), not as killed.
 """
 
 from __future__ import annotations
