@@ -18,6 +18,7 @@ from gradagg.errors import GradaggError, WindowError
 from gradagg.testing import run_local_world
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.modes import token_mean
+from gradagg.torch.pure import PureAccumulator
 from tests.torch.workers import terms_after as tw
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}  # DDP's import
@@ -117,6 +118,42 @@ def test_a_term_counting_zero_with_a_zero_gradient_contributes_nothing(refused: 
 def _acc(*terms: str) -> tuple[torch.Tensor, MicrobatchAccumulator]:
     w = torch.ones(2, dtype=torch.float64, requires_grad=True)
     return w, MicrobatchAccumulator([("w", w)], terms=terms or None)
+
+
+ONE_PROCESS: list[tw.Split] = [[[[0, 1, 2], [3], [4, 5], [6, 7, 8, 9]]], [[[5], [0, 1, 2, 3, 4, 6, 7, 8, 9]]]]
+
+
+def _counts(split: tw.Split) -> dict[str, float]:
+    """Each term's count over the window, by a Python walk over its mask: valid tokens (policy), sequences with one
+    (kl), the filter's survivors (nll), microbatches (value)."""
+    x, y, mask, _ = tw.window()
+    with torch.no_grad():
+        pi, _ = tw.Model()(x)
+    rows = mask.tolist()
+    survivors = sum(1 for s in range(tw.N) for t in range(tw.L)
+                    if rows[s][t] and float((pi[s, t] - y[s, t]) ** 2) < tw.CUT)
+    return {"policy": float(sum(map(sum, rows))), "kl": float(sum(1 for r in rows if any(r))),
+            "nll": float(survivors), "value": float(sum(len(m) for m in split))}
+
+
+@pytest.mark.parametrize("kind", ["plain", "pure"])
+@pytest.mark.parametrize("split", range(len(ONE_PROCESS)), ids=["four microbatches", "two microbatches"])
+def test_four_terms_exact_in_one_process(kind: str, split: int) -> None:
+    """The four terms with no process group (the same code as every rank's): the one-process truth within TOL, each
+    term divided by its count over the window (the ledger's, checked by a Python count), which each microbatch's
+    own count misses."""
+    mine = ONE_PROCESS[split]
+    model = tw.Model()
+    acc: Any = PureAccumulator(list(model.parameters()), terms=tw.TERMS) if kind == "pure" else (
+        MicrobatchAccumulator(model, terms=tw.TERMS, bucket_mb=8 * 8 / 2**20))
+    tw.run(acc, model, mine[0])
+    ledger = acc.finish()
+    assert tw.max_error(tw.grads_of(model), tw.truth(mine)) < TOL, (kind, mine)
+    assert tw.max_error(tw.truth(mine, how="per_microbatch"), tw.truth(mine)) > 1e-3
+    if kind == "plain":
+        acc.close()
+        assert ledger.terms == ledger.terms_local == _counts(mine), (ledger.terms, _counts(mine))
+        assert ledger.weighting == "terms"
 
 
 def test_misuse_raises_at_once() -> None:
