@@ -17,6 +17,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import given, seed, settings
 
@@ -222,3 +223,17 @@ def test_a_count_of_zero_counts_zero() -> None:
     pipe.keep(losses)
     assert (pipe.read.problem, pipe.read.total, pipe.problems()) == (None, 5.0, [])
     _accumulator_agrees([0.0, 0.0, 5.0], Read((0.0, 0.0, 5.0), None, 5.0))
+
+
+def test_a_fresh_or_cleared_record_holds_nothing() -> None:
+    """Before any step and after clear(): no loss, no failure, no count, nothing to refuse; a loss the schedule
+    cannot back-propagate (no gradient, or more than one element) is refused at record()."""
+    pipe = Counts()
+    for _ in range(2):
+        assert (pipe.losses, pipe.failed, pipe.problems(), pipe.read.values, pipe.read.total) == ([], [], [], (), 0.0)
+        pipe.record(torch.zeros((), requires_grad=True), 3)
+        pipe.keep([])
+        pipe.clear()
+    for loss in (torch.zeros(()), torch.zeros(2, requires_grad=True), 1.0):
+        with pytest.raises(GradaggError, match="the loss must be a one-element tensor with a gradient"):
+            pipe.record(loss, 1)  # type: ignore[arg-type]

@@ -128,6 +128,15 @@ def test_divisors_counted_ahead() -> None:
     assert ledger.divisor == 1 and ledger.terms == div and "tokens by 16" in ledger.report()
 
 
+def test_divisors_are_counted_exactly() -> None:
+    """Counts float32 cannot hold (16777217, 0.1, 2**53) come back exact, a tensor count by its value: the
+    all_reduce that sums them is float64."""
+    acc = MicrobatchAccumulator([("p", torch.zeros(1, requires_grad=True))])
+    counts = {"tokens": 16777217, "share": 0.1, "big": 2.0**53, "t": torch.tensor(16777217, dtype=torch.int64)}
+    assert acc.divisors(counts) == {"tokens": 16777217.0, "share": 0.1, "big": 2.0**53, "t": 16777217.0}
+    acc.close()
+
+
 def test_divisors_misuse() -> None:
     """After the window's first microbatch, twice, a negative count, a term totalling 0, a weight: refused."""
     model = w.TinyMoE()
