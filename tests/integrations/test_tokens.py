@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from gradagg.errors import GradaggError
 from gradagg.integrations._tokens import label_tokens
@@ -42,8 +43,6 @@ def models_count(labels: torch.Tensor, shifted: bool) -> int:
 
     With all-zero logits every counted token's loss is log(vocab), so the ratio is the count up to rounding.
     """
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
     logits = torch.zeros(*labels.shape, tl.VOCAB)
     kwargs = {"shift_labels": labels} if shifted else {}
     total = float(ForCausalLMLoss(logits, labels, tl.VOCAB, num_items_in_batch=1, **kwargs))
