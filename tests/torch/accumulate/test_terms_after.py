@@ -77,9 +77,7 @@ def refused() -> list[dict[str, Any]]:
     return run_local_world(tw.refusals_world, 2, **WORLD)
 
 
-@pytest.mark.parametrize(
-    ("case", "kind", "everywhere", "where_it_happened"),
-    [
+REFUSALS = [
         ("plain_backward", "WindowError", "rank 0 could not count its loss terms", "outside mb.backward"),
         ("forgotten_count", "WindowError", "'nll' counts 0 on all ranks, but its gradient is non-zero", ""),
         ("names_differ", "CollectiveError", "loss terms (terms=)", ""),
@@ -89,8 +87,10 @@ def refused() -> list[dict[str, Any]]:
         ("negative_count", "WindowError", "rank 1 could not count its loss terms", "given count -2.0"),
         ("nonfinite", "NonFiniteGradientError", "non-finite gradients on rank(s) [0]", ""),
         ("hand_set", "WindowError", "rank 1 could not count its loss terms", "outside mb.backward"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize(("case", "kind", "everywhere", "where_it_happened"), REFUSALS)
 def test_refused_on_every_rank(
     refused: list[dict[str, Any]], case: str, kind: str, everywhere: str, where_it_happened: str
 ) -> None:
@@ -113,6 +113,24 @@ def test_a_term_counting_zero_with_a_zero_gradient_contributes_nothing(refused: 
 
 
 # --- one process ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_rank", [0, 1])
+def test_refusals_in_one_process(monkeypatch: pytest.MonkeyPatch, as_rank: int) -> None:
+    """The refusals above with no process group (the workers' rank-dependent cases played as rank 0, then 1):
+    each misuse this process makes is refused as on the ranks, the message saying what it was; a term counting 0
+    with a zero gradient passes, recorded 0 (mutmut's run starts no world: this is what reaches terms_after's
+    checks there)."""
+    monkeypatch.setattr(tw.dist, "get_rank", lambda group=None: as_rank)
+    got = tw.refusals_world()
+    mine = {"plain_backward": 0, "nonfinite": 0, "negative_count": 1, "hand_set": 1}  # the rank each happens on
+    for case, kind, everywhere, where_it_happened in REFUSALS:
+        if case == "names_differ" or mine.get(case, as_rank) != as_rank:
+            assert case == "names_differ" or got[case] is None, (case, got[case])  # one process: nothing differs
+            continue
+        assert got[case] is not None and got[case][0] == kind, (case, got[case])
+        assert everywhere.replace("rank 1", "rank 0") in got[case][1] and where_it_happened in got[case][1], got[case]
+    assert got["zero_count_zero_grad"] is None and got["zero_count_terms"]["nll"] == 0.0, got
 
 
 def _acc(*terms: str) -> tuple[torch.Tensor, MicrobatchAccumulator]:
