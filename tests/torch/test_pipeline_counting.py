@@ -23,7 +23,7 @@ from hypothesis import given, seed, settings
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator
-from gradagg.torch.accumulate.counting import Read, Tally
+from gradagg.torch.accumulate.counting import Read, Tally, check_weight, divisor_problem
 from gradagg.torch.pipeline.counts import Counts, local_tokens
 
 COUNT_SEED = 2424  # hypothesis's seed for the test below: a failure reproduces with it
@@ -237,3 +237,28 @@ def test_a_fresh_or_cleared_record_holds_nothing() -> None:
     for loss in (torch.zeros(()), torch.zeros(2, requires_grad=True), 1.0):
         with pytest.raises(GradaggError, match="the loss must be a one-element tensor with a gradient"):
             pipe.record(loss, 1)  # type: ignore[arg-type]
+
+
+def test_failed_calls_are_named_by_their_microbatch_and_only_the_last_stage_counts() -> None:
+    """A loss function call that failed is named by its microbatch in the schedule's order (a failure of a call the
+    schedule did not keep, as the shape-inference one, is dropped); the kept losses are float64 scalars; a stage
+    that is not the last has no counts to give."""
+    pipe = Counts()
+    good, bad, dropped = (torch.zeros((), requires_grad=True) for _ in range(3))
+    pipe.record(good, 2)
+    pipe.record_failure(bad, "ValueError: no labels")
+    pipe.record_failure(dropped, "shape inference")
+    pipe.keep([good, bad])
+    assert pipe.failed == ["microbatch 1: ValueError: no labels"]
+    assert [loss.dtype for loss in pipe.losses] == [torch.float64] and pipe.problems() == pipe.failed
+    assert local_tokens(pipe, True) == (2.0,) and local_tokens(pipe, False) is None
+
+
+def test_the_divisor_checks_hold_at_the_edges_of_the_dtype() -> None:
+    """The largest finite and the smallest normal value of a dtype can divide its sums; beyond or below cannot; an
+    int beyond float64 counts as an infinity of its sign (named by weight_problem)."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        finfo = torch.finfo(dtype)
+        assert divisor_problem(finfo.max, dtype) is None and divisor_problem(finfo.tiny, dtype) is None, dtype
+        assert divisor_problem(math.inf, dtype) is not None and divisor_problem(finfo.tiny / 2, dtype) is not None
+    assert check_weight(10**400) == math.inf and check_weight(-(10**400)) == -math.inf
