@@ -9,6 +9,7 @@ are added, a different rounding order from the truth's); every wrong divisor bel
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -54,13 +55,18 @@ def test_ledger_names_each_terms_count(exact: list[dict[str, Any]]) -> None:
 def test_fuzz_random_splits_keep_the_gradient(exact: list[dict[str, Any]]) -> None:
     """Seeded random splits of the one window into ranks and microbatches (zero on a rank included): the
     gradient stays the one-process one, while each microbatch, or each rank, divided by its own count misses."""
+    reached: Counter[str] = Counter()
     for split, err, wrong in exact[0]["fuzz"]:
         assert err < TOL, (f"seed {SEED}", split, err)
         if sum(len(m) for m in split) > 1:
+            reached["several microbatches"] += 1
             assert wrong["per_microbatch"] > 1e-3, (f"seed {SEED}", split, wrong)
         if sum(1 for m in split if m) > 1:
+            reached["several ranks with microbatches"] += 1
             assert wrong["per_rank"] > 1e-3, (f"seed {SEED}", split, wrong)
     assert all(err < TOL for _, err, _ in exact[1]["fuzz"])
+    # the classes the checks above are about, each drawn at least once by the seed (the zero split is fixed above)
+    assert reached["several microbatches"] and reached["several ranks with microbatches"], (SEED, reached)
 
 
 def test_three_ranks_a_term_on_one_rank_only() -> None:
