@@ -43,7 +43,27 @@ def report(seconds: float | None) -> str:
     config()  # mutmut reads pyproject.toml's [tool.mutmut] from the working folder
     reasons = tomllib.loads(REASONS.read_text()) if REASONS.exists() else {}
     results = _results()
-    lines = ["| module | mutants | killed | survived | no tests | timeout | other | killed / (killed + survived) |",
+    import datetime
+    import importlib.metadata
+    import os
+
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    took = "" if seconds is None else f", {seconds / 60:.0f} minutes"
+    lines = [
+        "# Mutation testing of the counting rules",
+        "",
+        f"The last `make mutate` (mutmut {importlib.metadata.version('mutmut')}, {os.cpu_count()} cores{took}, "
+        f"{when}); written by `tests/mutation/report.py`. What is mutated and which tests run: `[tool.mutmut]` in",
+        "`pyproject.toml`. mutmut changes one expression at a time (an operator, a constant, an argument, a call",
+        "dropped) and runs, for each mutant, the one-process tests that reach its function: *killed* is a test",
+        "that failed; *survived*, none did; *no tests*, no one-process test reaches the function (only the gloo",
+        "worlds do, which this run does not start: the fixed sample in `tests/mutation/test_sample.py` applies",
+        "mutants there too); *other* is a mutant not run (a run stopped early) or one mutmut could not judge. Lines",
+        "that only say what a message says are not mutated. A survivor's reason is in",
+        "`tests/mutation/reasons.toml`: *equivalent* (no test can tell it apart), *one process* (it differs only",
+        "with other ranks or another wrapper than this process has), *message* (it changes only a message's text).",
+        "",
+        "| module | mutants | killed | survived | no tests | timeout | other | killed / (killed + survived) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     total: Counter[str] = Counter()
     for path, mutants in results.items():
@@ -51,11 +71,9 @@ def report(seconds: float | None) -> str:
         total.update(counts)
         lines.append(_row(path.removeprefix("src/gradagg/"), counts))
     lines.append(_row("**all**", total))
-    if seconds is not None:
-        lines += ["", f"The run took {seconds / 60:.0f} minutes."]
     survivors = [(path, name) for path, mutants in results.items() for name, s in mutants.items() if s == "survived"]
-    unexplained = [n for _, n in survivors if n not in reasons]
-    lines += ["", f"## Survivors: {len(survivors)}, unexplained: {len(unexplained)}", ""]
+    kinds = Counter(reasons[n].split(":")[0] if n in reasons else "unexplained" for _, n in survivors)
+    lines += ["", f"## Survivors: {len(survivors)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})", ""]
     for path, name in survivors:
         lines.append(f"- `{name}` ({reasons.get(name, 'UNEXPLAINED')})")
         lines += [f"  `{d.strip()[:150]}`" for d in _diff(name, path)]
