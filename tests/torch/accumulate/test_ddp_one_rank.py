@@ -8,6 +8,7 @@ a sum of c_k over a count, computed here in plain Python.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradagg.errors import WindowError
+from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator
 from tests.torch.workers.ddp_trust import Pair
 
@@ -117,3 +118,55 @@ def test_ddp_is_held_in_no_sync_and_given_back() -> None:
     assert not model.require_backward_grad_sync
     acc.close()
     assert model.require_backward_grad_sync == syncs
+
+
+def _sync_flag(model: DDP) -> str:
+    """The DDP attribute its forward reads to broadcast buffers (torch renamed it; either is public)."""
+    return "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_ddps_buffer_setting_is_off_while_held_and_given_back(broadcast: bool) -> None:
+    """DDP's forward broadcasts no buffer while the accumulator holds it (the accumulator does, after the exchange);
+    close() gives DDP its own setting back, whichever it was."""
+    newer = "forward_sync_buffers" in inspect.signature(DDP).parameters  # broadcast_buffers= warns there
+    model = DDP(Pair(), **{"forward_sync_buffers" if newer else "broadcast_buffers": broadcast})
+    flag = _sync_flag(model)
+    assert getattr(model, flag) is broadcast
+    acc = MicrobatchAccumulator(model)
+    assert getattr(model, flag) is False
+    acc.close()
+    assert getattr(model, flag) is broadcast
+
+
+def test_a_static_graph_is_refused_up_front() -> None:
+    with pytest.raises(GradaggError, match=r"DistributedDataParallel\(static_graph=True\) cannot run under no_sync"):
+        MicrobatchAccumulator(DDP(Pair(), static_graph=True))
+
+
+class Unused(torch.nn.Module):
+    """``a`` reduced; ``b`` and ``c`` ignored by DDP, ``b`` never reached by a backward (its gradient stays None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a * x + self.c * x).sum()
+
+
+def test_an_ignored_parameter_no_backward_reached_stays_absent() -> None:
+    """Weights 1, 1, 0 (this rank's count 2): ``c`` is divided by 2, ``b`` (no gradient) stays None, whatever order
+    the ignored parameters come in."""
+    module = Unused()
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ["b", "c"])
+    model = DDP(module)
+    acc = MicrobatchAccumulator(model)
+    for c, weight in zip(COEFS, [1.0, 1.0, 0.0]):
+        with acc.microbatch(weight=weight):
+            model(torch.tensor(c, dtype=torch.float64)).backward()
+    ledger = acc.finish()
+    want = math.fsum(COEFS) / 2
+    assert module.b.grad is None and module.c.grad is not None and module.c.grad.tolist() == [want] * 2
+    assert ledger.rank_local == ("b", "c") and ledger.rank_local_divisor == 2.0
+    acc.close()
