@@ -89,3 +89,15 @@ def test_check_grpo_refuses_what_exact_cannot_make_exact(
     assert message.startswith("exact() cannot make this SimpleNamespace exact: "), message
     parts = message.split(": ", 1)[1].split("; ")
     assert len(parts) == len(reasons) and all(p.startswith(r) for p, r in zip(parts, reasons)), (parts, reasons)
+
+
+def test_a_generation_batch_counting_nothing_divides_by_one_token() -> None:
+    """dapo, cispo: TRL clamps the generation batch's global tokens at 1 (a batch of fully masked completions)."""
+    inputs = {"completion_mask": torch.zeros(2, 3), "num_items_in_batch": torch.tensor(0.0)}
+    divisor, weight = grpo_count(trainer("dapo"), inputs)
+    assert (float(divisor), float(weight)) == (1.0 / RANKS * GA / PER_GENERATION, 0.0)
+
+
+def test_a_microbatch_that_is_not_a_mapping_is_refused() -> None:
+    with pytest.raises(GradaggError, match=r"'completion_mask' tensor \(keys: list\)"):
+        grpo_count(trainer("grpo"), [torch.ones(2, 3)])

@@ -104,10 +104,16 @@ def test_label_tokens_matches_the_integrations_data() -> None:
 
 
 def test_label_tokens_refuses_what_it_cannot_count() -> None:
-    with pytest.raises(GradaggError, match="no 'labels'"):
-        label_tokens({"input_ids": torch.zeros(1, 3, dtype=torch.long)})
-    with pytest.raises(GradaggError, match="integer tensor"):
-        label_tokens({"labels": torch.zeros(2, 3)})
+    """No labels (naming the keys, or the type of what is not a mapping), floating or 0-dim labels, labels that are
+    not a tensor: a GradaggError naming the batch, never a TypeError."""
+    no_labels = r"^the microbatch has no 'labels' to count tokens from \(keys: \['a', 'b'\]\)"
+    with pytest.raises(GradaggError, match=no_labels):
+        label_tokens({"b": torch.zeros(1, 3, dtype=torch.long), "a": 1})
+    with pytest.raises(GradaggError, match=r"^batch 4 has no 'labels' to count tokens from \(keys: list\)"):
+        label_tokens(["input_ids"], "batch 4")  # type: ignore[arg-type]
+    for labels in (torch.zeros(2, 3), torch.tensor(5), [[5, 6, 7]], None):
+        with pytest.raises(GradaggError, match="'labels' must be an integer tensor of token ids with a sequence"):
+            label_tokens({"labels": labels})
 
 
 def test_import_integrations_loads_no_framework() -> None:

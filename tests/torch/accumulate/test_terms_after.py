@@ -241,3 +241,15 @@ def test_fsdp2_window_form_exact_and_shards_form_refused() -> None:
         for split in ("uneven", "zero"):
             assert r[split][0] < TOL, (split, r[split])
         assert r["shards"] is not None and r["shards"][0] == "GradaggError" and "fsdp='window'" in r["shards"][1]
+
+
+def test_a_count_of_an_unknown_term_is_refused_at_finish() -> None:
+    """acc.count() of a term the accumulator was not built with: finish() refuses the window, naming it."""
+    w, acc = _acc("a")
+    with acc.microbatch() as mb:
+        mb.backward("a", w.sum(), count=1)
+    acc.count("b", 2)
+    with pytest.raises(WindowError, match=r"count\(\) of loss term 'b', not one of the accumulator's terms"):
+        acc.finish()
+    acc.discard()
+    acc.close()
