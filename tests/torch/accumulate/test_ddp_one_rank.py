@@ -170,3 +170,17 @@ def test_an_ignored_parameter_no_backward_reached_stays_absent() -> None:
     assert module.b.grad is None and module.c.grad is not None and module.c.grad.tolist() == [want] * 2
     assert ledger.rank_local == ("b", "c") and ledger.rank_local_divisor == 2.0
     acc.close()
+
+
+def test_terms_divided_ahead_leave_an_ignored_parameter_as_its_loss_gave_it() -> None:
+    """divisors(): the loss is divided before its backward, so D = 1 and the rank-local ``b`` is not divided again."""
+    module, model = _model(ignored=True)
+    acc = MicrobatchAccumulator(model)
+    div = acc.divisors({"n": 4})
+    for c in acc.microbatches(COEFS):
+        with acc.microbatch():
+            (model(torch.tensor(c, dtype=torch.float64)).sum() / div["n"]).backward()
+    ledger = acc.finish()
+    assert module.b.grad is not None and module.b.grad.tolist() == [math.fsum(COEFS) / 4] * 3
+    assert ledger.rank_local_divisor == 1.0
+    acc.close()

@@ -253,3 +253,46 @@ def test_a_count_of_an_unknown_term_is_refused_at_finish() -> None:
         acc.finish()
     acc.discard()
     acc.close()
+
+
+def test_a_part_carries_its_count_and_a_term_counting_zero_divides_nothing() -> None:
+    """mb.backward(term, part): a Part's loss and its weight as the count; a term whose count and gradient are 0
+    on all ranks (main or not) adds nothing and is not divided by its 0; a count float32 cannot hold (16777217)
+    divides exactly (float64 here)."""
+    for order in (("tok", "zero"), ("zero", "tok")):  # the first term backward'ed is the main one (the flat buffer)
+        w, acc = _acc(*order)
+        loss, mask = torch.stack([w[0] * 2.0, w[1] * 4.0])[None, :], torch.ones(1, 2)
+        with acc.microbatch() as mb:
+            for term in order:
+                if term == "tok":
+                    mb.backward("tok", token_mean(loss, mask), retain_graph=True)  # (2 w0 + 4 w1) over 2 tokens
+                else:
+                    mb.backward("zero", 0.0 * w.sum(), count=0, retain_graph=True)
+            mb.backward("tok", 16777217.0 * w.sum(), count=16777217)
+        ledger = acc.finish()
+        assert ledger.terms == {"tok": 16777219.0, "zero": 0.0}, (order, ledger.terms)
+        want = [(2.0 + 16777217.0) / 16777219.0, (4.0 + 16777217.0) / 16777219.0]
+        assert w.grad is not None and w.grad.tolist() == want, (order, w.grad)
+        acc.close()
+
+
+def test_a_main_term_never_counted_is_refused() -> None:
+    """The first term's gradient (in the window's own buffer) with no count anywhere: refused, not divided by 0."""
+    w, acc = _acc("a", "b")
+    with acc.microbatch() as mb:
+        mb.backward("a", w.sum(), retain_graph=True)
+        mb.backward("b", w.sum(), count=1)
+    with pytest.raises(WindowError, match="'a' counts 0 on all ranks, but its gradient is non-zero"):
+        acc.finish()
+    acc.discard()
+    acc.close()
+
+
+def test_a_microbatch_handle_used_in_a_later_microbatch_is_refused() -> None:
+    w, acc = _acc("a")
+    with acc.microbatch() as first:
+        first.backward("a", w.sum(), count=1)
+    with acc.microbatch(), pytest.raises(WindowError, match="outside its microbatch"):
+        first.backward("a", w.sum(), count=1)
+    acc.discard()
+    acc.close()
