@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.dev-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: demo check test docs lint typecheck bench bench-deps clean
+.PHONY: demo check test docs lint typecheck bench bench-deps mutate clean
 
 $(DEV_STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -74,5 +74,14 @@ bench: $(BENCH_STAMP)
 	$(PY) bench/bench_cli.py
 	$(PY) bench/bench_training.py
 
+# Mutation testing of the counting rules (mutmut; what and how in pyproject.toml's [tool.mutmut]): a fresh run of
+# the whole scoped set, then its report into bench/MUTATION.md. It takes about an hour on 2 cores; CI runs a fixed
+# sample of mutants instead (tests/mutation/test_sample.py, in make test).
+mutate: $(DEV_STAMP)
+	rm -rf mutants
+	start=$$(date +%s); nice -n 10 $(VENV)/bin/mutmut run --max-children 2 && \
+	  $(PY) -m tests.mutation.report $$(( $$(date +%s) - start )) > bench/MUTATION.md
+	@echo "report: bench/MUTATION.md"
+
 clean:
-	rm -rf $(VENV) out site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) out site mutants .pytest_cache .mypy_cache .ruff_cache

@@ -151,6 +151,18 @@ ERROR_CASES = [
         GradientTypeError,
         r"active_counts\[0\] must be a non-negative integer, got -1",
     ),
+    (
+        "active_counts given as text",
+        lambda: microbatch_mean([[1]], "1"),
+        GradientTypeError,
+        r"active_counts must be a list of integers, got '1'",
+    ),
+    (
+        "an active count that is a bool",
+        lambda: microbatch_mean([[1]], [True]),
+        GradientTypeError,
+        r"active_counts\[0\] must be a non-negative integer, got True",
+    ),
 ]
 
 

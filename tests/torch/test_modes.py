@@ -11,6 +11,8 @@ against the float64 one-process full batch.
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -67,6 +69,29 @@ def test_the_torch_formula_is_the_reference(seed: int) -> None:
     for mode in Mode:
         value, _, want = wm.truth(mode, seqs)
         assert close(value, want), (mode, value, want)
+
+
+def test_the_seeded_windows_reach_every_layout() -> None:
+    """The windows and microbatches the seeded tests above draw (SEEDS) reach each layout they are meant to check:
+    padded rows, cu_seqlens and position_ids, a sequence split over two microbatches, a fully masked sequence, a
+    microbatch holding several sequences and one holding a single one."""
+    reached: Counter[str] = Counter()
+    for seed in SEEDS:
+        seqs = wm.make_window(seed)
+        reached.update(["a fully masked sequence"] * sum(not bool(x.mask.any()) for x in seqs))
+        for split in (False, True):
+            micros = wm.share(seqs, [5 + seed % 5], seed, split)[0]
+            for mb in micros:
+                lay = mb.layout
+                style = "cu_seqlens" if lay.cu_seqlens is not None else (
+                    "position_ids" if lay.position_ids is not None else "rows")
+                pieces = len(lay.seq_ids or [])
+                reached.update([style, "several sequences" if pieces > 1 else "a single sequence"])
+            ids = [i for mb in micros for i in (mb.layout.seq_ids or [])]
+            reached.update(["a sequence split over two microbatches"] * (len(ids) - len(set(ids))))
+    want = ["rows", "cu_seqlens", "position_ids", "a sequence split over two microbatches", "a fully masked sequence",
+            "several sequences", "a single sequence"]
+    assert all(reached[c] > 0 for c in want), reached
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -253,3 +278,45 @@ def test_plan_window_refuses_on_every_rank() -> None:
         for case, fragment in expected.items():
             assert res[case] is not None and res[case][0] == "GradaggError", (case, r, res[case])
             assert fragment in res[case][1], (case, r, res[case][1])
+
+
+def test_each_named_function_is_its_mode_with_the_same_arguments() -> None:
+    """token_mean(...), seq_mean_token_sum_norm(..., norm=) and the others pass their mode, loss, mask and every
+    keyword (packed rows' position_ids, the norm) to aggregate: the same parts as aggregate's."""
+    from gradagg.torch import modes
+
+    loss, mask = torch.tensor([[1.0, 2.0, 4.0, 8.0, 16.0]]), torch.tensor([[1, 1, 0, 1, 1]])
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    for mode, fn, kw in [
+        (Mode.TOKEN_MEAN, modes.token_mean, {}),
+        (Mode.SEQ_MEAN_TOKEN_MEAN, modes.seq_mean_token_mean, {}),
+        (Mode.SEQ_MEAN_TOKEN_SUM, modes.seq_mean_token_sum, {}),
+        (Mode.SEQ_MEAN_TOKEN_SUM_NORM, modes.seq_mean_token_sum_norm, {"norm": 4.0}),
+    ]:
+        got, want = fn(loss, mask, position_ids=pos, **kw), aggregate(mode, loss, mask, position_ids=pos, **kw)
+        assert (float(got.loss), float(got.weight)) == (float(want.loss), float(want.weight)), mode
+    # packed: two sequences (1 + 2 and 8 + 16), not one: the position_ids reached aggregate
+    assert float(modes.seq_mean_token_mean(loss, mask, position_ids=pos).weight) == 2.0
+    assert float(modes.seq_mean_token_sum_norm(loss, mask, norm=4.0).weight) == 4.0  # one sequence x C
+
+
+def test_a_plan_refuses_a_window_divided_by_another_count() -> None:
+    """plan.check(ledger): the planned microbatches, but divided by another total (a weight changed), or not
+    weighted at all, are refused naming both divisors; the planned one passes."""
+    from gradagg.torch import MicrobatchAccumulator
+
+    lay = Layout(torch.tensor([[1, 1, 0]]))
+    plan = plan_window("token-mean", [lay])
+    for weight, fragment in [(2.0, None), (3.0, "finish() divided by 3.0 (weighted), the plan counted 2"),
+                             (None, "finish() divided by 1 (unweighted), the plan counted 2")]:
+        w = torch.zeros(1, requires_grad=True)
+        acc = MicrobatchAccumulator([("w", w)])
+        with acc.microbatch(weight=weight):
+            (w * 2).sum().backward()
+        ledger = acc.finish()
+        if fragment is None:
+            plan.check(ledger)
+        else:
+            with pytest.raises(GradaggError, match=re.escape(fragment)):
+                plan.check(ledger)
+        acc.close()

@@ -9,6 +9,7 @@ are added, a different rounding order from the truth's); every wrong divisor bel
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from gradagg.errors import GradaggError, WindowError
 from gradagg.testing import run_local_world
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.modes import token_mean
+from gradagg.torch.pure import PureAccumulator
 from tests.torch.workers import terms_after as tw
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}  # DDP's import
@@ -53,13 +55,18 @@ def test_ledger_names_each_terms_count(exact: list[dict[str, Any]]) -> None:
 def test_fuzz_random_splits_keep_the_gradient(exact: list[dict[str, Any]]) -> None:
     """Seeded random splits of the one window into ranks and microbatches (zero on a rank included): the
     gradient stays the one-process one, while each microbatch, or each rank, divided by its own count misses."""
+    reached: Counter[str] = Counter()
     for split, err, wrong in exact[0]["fuzz"]:
         assert err < TOL, (f"seed {SEED}", split, err)
         if sum(len(m) for m in split) > 1:
+            reached["several microbatches"] += 1
             assert wrong["per_microbatch"] > 1e-3, (f"seed {SEED}", split, wrong)
         if sum(1 for m in split if m) > 1:
+            reached["several ranks with microbatches"] += 1
             assert wrong["per_rank"] > 1e-3, (f"seed {SEED}", split, wrong)
     assert all(err < TOL for _, err, _ in exact[1]["fuzz"])
+    # the classes the checks above are about, each drawn at least once by the seed (the zero split is fixed above)
+    assert reached["several microbatches"] and reached["several ranks with microbatches"], (SEED, reached)
 
 
 def test_three_ranks_a_term_on_one_rank_only() -> None:
@@ -76,9 +83,7 @@ def refused() -> list[dict[str, Any]]:
     return run_local_world(tw.refusals_world, 2, **WORLD)
 
 
-@pytest.mark.parametrize(
-    ("case", "kind", "everywhere", "where_it_happened"),
-    [
+REFUSALS = [
         ("plain_backward", "WindowError", "rank 0 could not count its loss terms", "outside mb.backward"),
         ("forgotten_count", "WindowError", "'nll' counts 0 on all ranks, but its gradient is non-zero", ""),
         ("names_differ", "CollectiveError", "loss terms (terms=)", ""),
@@ -88,8 +93,10 @@ def refused() -> list[dict[str, Any]]:
         ("negative_count", "WindowError", "rank 1 could not count its loss terms", "given count -2.0"),
         ("nonfinite", "NonFiniteGradientError", "non-finite gradients on rank(s) [0]", ""),
         ("hand_set", "WindowError", "rank 1 could not count its loss terms", "outside mb.backward"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize(("case", "kind", "everywhere", "where_it_happened"), REFUSALS)
 def test_refused_on_every_rank(
     refused: list[dict[str, Any]], case: str, kind: str, everywhere: str, where_it_happened: str
 ) -> None:
@@ -114,9 +121,63 @@ def test_a_term_counting_zero_with_a_zero_gradient_contributes_nothing(refused: 
 # --- one process ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("as_rank", [0, 1])
+def test_refusals_in_one_process(monkeypatch: pytest.MonkeyPatch, as_rank: int) -> None:
+    """The refusals above with no process group (the workers' rank-dependent cases played as rank 0, then 1):
+    each misuse this process makes is refused as on the ranks, the message saying what it was; a term counting 0
+    with a zero gradient passes, recorded 0 (mutmut's run starts no world: this is what reaches terms_after's
+    checks there)."""
+    monkeypatch.setattr(tw.dist, "get_rank", lambda group=None: as_rank)
+    got = tw.refusals_world()
+    mine = {"plain_backward": 0, "nonfinite": 0, "negative_count": 1, "hand_set": 1}  # the rank each happens on
+    for case, kind, everywhere, where_it_happened in REFUSALS:
+        if case == "names_differ" or mine.get(case, as_rank) != as_rank:
+            assert case == "names_differ" or got[case] is None, (case, got[case])  # one process: nothing differs
+            continue
+        assert got[case] is not None and got[case][0] == kind, (case, got[case])
+        assert everywhere.replace("rank 1", "rank 0") in got[case][1] and where_it_happened in got[case][1], got[case]
+    assert got["zero_count_zero_grad"] is None and got["zero_count_terms"]["nll"] == 0.0, got
+
+
 def _acc(*terms: str) -> tuple[torch.Tensor, MicrobatchAccumulator]:
     w = torch.ones(2, dtype=torch.float64, requires_grad=True)
     return w, MicrobatchAccumulator([("w", w)], terms=terms or None)
+
+
+ONE_PROCESS: list[tw.Split] = [[[[0, 1, 2], [3], [4, 5], [6, 7, 8, 9]]], [[[5], [0, 1, 2, 3, 4, 6, 7, 8, 9]]]]
+
+
+def _counts(split: tw.Split) -> dict[str, float]:
+    """Each term's count over the window, by a Python walk over its mask: valid tokens (policy), sequences with one
+    (kl), the filter's survivors (nll), microbatches (value)."""
+    x, y, mask, _ = tw.window()
+    with torch.no_grad():
+        pi, _ = tw.Model()(x)
+    rows = mask.tolist()
+    survivors = sum(1 for s in range(tw.N) for t in range(tw.L)
+                    if rows[s][t] and float((pi[s, t] - y[s, t]) ** 2) < tw.CUT)
+    return {"policy": float(sum(map(sum, rows))), "kl": float(sum(1 for r in rows if any(r))),
+            "nll": float(survivors), "value": float(sum(len(m) for m in split))}
+
+
+@pytest.mark.parametrize("kind", ["plain", "pure"])
+@pytest.mark.parametrize("split", range(len(ONE_PROCESS)), ids=["four microbatches", "two microbatches"])
+def test_four_terms_exact_in_one_process(kind: str, split: int) -> None:
+    """The four terms with no process group (the same code as every rank's): the one-process truth within TOL, each
+    term divided by its count over the window (the ledger's, checked by a Python count), which each microbatch's
+    own count misses."""
+    mine = ONE_PROCESS[split]
+    model = tw.Model()
+    acc: Any = PureAccumulator(list(model.parameters()), terms=tw.TERMS) if kind == "pure" else (
+        MicrobatchAccumulator(model, terms=tw.TERMS, bucket_mb=8 * 8 / 2**20))
+    tw.run(acc, model, mine[0])
+    ledger = acc.finish()
+    assert tw.max_error(tw.grads_of(model), tw.truth(mine)) < TOL, (kind, mine)
+    assert tw.max_error(tw.truth(mine, how="per_microbatch"), tw.truth(mine)) > 1e-3
+    if kind == "plain":
+        acc.close()
+        assert ledger.terms == ledger.terms_local == _counts(mine), (ledger.terms, _counts(mine))
+        assert ledger.weighting == "terms"
 
 
 def test_misuse_raises_at_once() -> None:
@@ -180,3 +241,58 @@ def test_fsdp2_window_form_exact_and_shards_form_refused() -> None:
         for split in ("uneven", "zero"):
             assert r[split][0] < TOL, (split, r[split])
         assert r["shards"] is not None and r["shards"][0] == "GradaggError" and "fsdp='window'" in r["shards"][1]
+
+
+def test_a_count_of_an_unknown_term_is_refused_at_finish() -> None:
+    """acc.count() of a term the accumulator was not built with: finish() refuses the window, naming it."""
+    w, acc = _acc("a")
+    with acc.microbatch() as mb:
+        mb.backward("a", w.sum(), count=1)
+    acc.count("b", 2)
+    with pytest.raises(WindowError, match=r"count\(\) of loss term 'b', not one of the accumulator's terms"):
+        acc.finish()
+    acc.discard()
+    acc.close()
+
+
+def test_a_part_carries_its_count_and_a_term_counting_zero_divides_nothing() -> None:
+    """mb.backward(term, part): a Part's loss and its weight as the count; a term whose count and gradient are 0
+    on all ranks (main or not) adds nothing and is not divided by its 0; a count float32 cannot hold (16777217)
+    divides exactly (float64 here)."""
+    for order in (("tok", "zero"), ("zero", "tok")):  # the first term backward'ed is the main one (the flat buffer)
+        w, acc = _acc(*order)
+        loss, mask = torch.stack([w[0] * 2.0, w[1] * 4.0])[None, :], torch.ones(1, 2)
+        with acc.microbatch() as mb:
+            for term in order:
+                if term == "tok":
+                    mb.backward("tok", token_mean(loss, mask), retain_graph=True)  # (2 w0 + 4 w1) over 2 tokens
+                else:
+                    mb.backward("zero", 0.0 * w.sum(), count=0, retain_graph=True)
+            mb.backward("tok", 16777217.0 * w.sum(), count=16777217)
+        ledger = acc.finish()
+        assert ledger.terms == {"tok": 16777219.0, "zero": 0.0}, (order, ledger.terms)
+        want = [(2.0 + 16777217.0) / 16777219.0, (4.0 + 16777217.0) / 16777219.0]
+        assert w.grad is not None and w.grad.tolist() == want, (order, w.grad)
+        acc.close()
+
+
+def test_a_main_term_never_counted_is_refused() -> None:
+    """The first term's gradient (in the window's own buffer) with no count anywhere: refused, not divided by 0."""
+    w, acc = _acc("a", "b")
+    with acc.microbatch() as mb:
+        mb.backward("a", w.sum(), retain_graph=True)
+        mb.backward("b", w.sum(), count=1)
+    with pytest.raises(WindowError, match="'a' counts 0 on all ranks, but its gradient is non-zero"):
+        acc.finish()
+    acc.discard()
+    acc.close()
+
+
+def test_a_microbatch_handle_used_in_a_later_microbatch_is_refused() -> None:
+    w, acc = _acc("a")
+    with acc.microbatch() as first:
+        first.backward("a", w.sum(), count=1)
+    with acc.microbatch(), pytest.raises(WindowError, match="outside its microbatch"):
+        first.backward("a", w.sum(), count=1)
+    acc.discard()
+    acc.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -91,6 +92,22 @@ def test_a_rank_local_count_its_dtype_cannot_divide_by_is_refused_on_every_rank(
             assert "is below the smallest normal float32" in message and "parameters_to_ignore" in message, message
 
 
+def test_a_rank_whose_own_weights_are_all_zero_has_no_rank_local_gradient(results: list[dict[str, Any]]) -> None:
+    """Rank 1's microbatches all weigh 0: its ignored ``b`` has nothing to be divided by, so it is absent (None, not
+    its sum divided by 1); ``a`` is the global mean over the total weight (1 + 2 on rank 0, 1 on rank 2)."""
+    weights = [[k + 1 for k in range(n)] if r != 1 else [0] * n for r, n in enumerate(wt.COUNTS)]
+    total = sum(sum(_coefs(r, n)) for r, n in enumerate(wt.COUNTS)) / sum(map(sum, weights))
+    for rank, r in enumerate(results):
+        got = r["ignored_zero"]
+        assert _close(got["grads"]["a"], total), (rank, got["grads"], total)
+        if rank == 1:
+            assert got["grads"]["b"] is None and got["divisor"] is None, got
+            assert "divided by this rank's own count -: b" in got["report"], got["report"]
+        else:
+            own = sum(_coefs(rank, wt.COUNTS[rank])) / sum(weights[rank])
+            assert _close(got["grads"]["b"], own) and got["divisor"] == sum(weights[rank]), (rank, got, own)
+
+
 @pytest.mark.parametrize(("case", "mine", "theirs"), [
     ("buffer_dtype", "float64 of shape (2,)", "float32 of shape (2,)"),
     ("buffer_shape", "float64 of shape (2,)", "float64 of shape (3,)"),
@@ -157,17 +174,43 @@ def expected(pl: dict[str, Any], rank: int) -> Any:
     return grads
 
 
+def reach(plans: list[dict[str, Any]]) -> Counter[str]:
+    """How many (trial, rank) pairs drew each class the fuzz test checks (the partitions counted per trial)."""
+    drawn = Counter[str]()
+    for pl in plans:
+        drawn[f"partition {pl['parts']}"] += 1
+        drawn.update(c for c, hit in [("ignored and weighted", pl["ignored"] and pl["weighted"]),
+                                      ("a buffer changed", pl["change"] is not None)] if hit)
+        for rank in range(3):
+            want = expected(pl, rank)
+            drawn["grads" if isinstance(want, dict) else want[0]] += 1
+            if not isinstance(want, dict):
+                continue
+            # an ignored parameter this rank has gradients for: divided by its own count, or absent where that is 0
+            held = [n for n in pl["ignored"] if pl["counts"][rank] and (n != "c" or any(pl["uses_c"][rank]))]
+            if held and pl["weighted"]:
+                zero = sum(pl["weights"][rank]) == 0
+                drawn["a rank-local divisor of 0 (absent)" if zero else "a rank-local divisor > 0"] += 1
+            if want["c"] is None:
+                drawn["c absent"] += 1
+    return drawn
+
+
+REACHED = [f"partition {p}" for p in wt.PARTITIONS] + [
+    "ignored and weighted", "a buffer changed", "grads", "GradaggError", "CollectiveError", "WindowError",
+    "a rank-local divisor of 0 (absent)", "a rank-local divisor > 0", "c absent",
+]
+
+
 def test_ddp_groups_ignored_parameters_and_buffers_fuzzed(results: list[dict[str, Any]]) -> None:
     """Seeded trials (FUZZ_SEED): DDP's groups drawn from every partition of 3 ranks, 0-2 ignored parameters,
-    0-3 microbatches per rank (weighted or not, weights 0-3, ``c`` reached or not), the accumulator given no group,
-    DDP's or the default one, a buffer's dtype or shape changed on one rank or not: on every rank the exact
-    gradients (shared ones over DDP's group, ignored ones rank-local, absent ones None) or the expected error."""
+    0-3 microbatches per rank (weighted or not, weights 0-3 or all 0 on one rank, ``c`` reached or not), the
+    accumulator given no group, DDP's or the default one, a buffer's dtype or shape changed on one rank or not: on
+    every rank the exact gradients (shared ones over DDP's group, ignored ones rank-local, absent ones None) or the
+    expected error. The draws must reach every class in REACHED (a rank-local divisor of 0 among them)."""
     plans = [wt.plan(seed) for seed, _ in results[0]["fuzz"]]
-    drawn = {str(pl["parts"]) for pl in plans}
-    assert drawn == {str(p) for p in wt.PARTITIONS}, drawn  # the draws reach every partition
-    assert any(pl["ignored"] and pl["weighted"] for pl in plans) and any(pl["change"] for pl in plans)
-    outcomes = {w[0] if isinstance(w, tuple) else "grads" for pl in plans for w in (expected(pl, 0), expected(pl, 1))}
-    assert outcomes == {"grads", "GradaggError", "CollectiveError", "WindowError"}, outcomes
+    drawn = reach(plans)
+    assert all(drawn[c] > 0 for c in REACHED), drawn  # the draws reach every class checked below
     checked = 0
     for rank, r in enumerate(results):
         for seed, got in r["fuzz"]:

@@ -6,10 +6,12 @@ these checks are in test_training.py.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given, seed, settings
 
 from gradagg.errors import GradaggError, WindowError
 from gradagg.torch import MicrobatchAccumulator, count_collectives
@@ -124,6 +126,15 @@ def test_divisors_counted_ahead() -> None:
     ledger = acc.finish()
     assert w.max_error(w.grads_of(model), tw.terms_truth(data)) <= TOL
     assert ledger.divisor == 1 and ledger.terms == div and "tokens by 16" in ledger.report()
+
+
+def test_divisors_are_counted_exactly() -> None:
+    """Counts float32 cannot hold (16777217, 0.1, 2**53) come back exact, a tensor count by its value: the
+    all_reduce that sums them is float64."""
+    acc = MicrobatchAccumulator([("p", torch.zeros(1, requires_grad=True))])
+    counts = {"tokens": 16777217, "share": 0.1, "big": 2.0**53, "t": torch.tensor(16777217, dtype=torch.int64)}
+    assert acc.divisors(counts) == {"tokens": 16777217.0, "share": 0.1, "big": 2.0**53, "t": 16777217.0}
+    acc.close()
 
 
 def test_divisors_misuse() -> None:
@@ -281,12 +292,17 @@ def test_reused_buffer_holds_nothing_stale() -> None:
 ACTIONS = st.sampled_from(["none", "before", "after"])
 
 
+HAND_SET_SEED = 1616  # hypothesis's seed for test_hand_set_grads_count_in_their_microbatch
+HAND_SET_CLASSES = ("set before a backward that reaches it", "set after a backward that reaches it",
+                    "set where no backward reaches", "absent in the whole window")
+hand_set: Counter[str] = Counter()
+
+
+@seed(HAND_SET_SEED)
 @settings(max_examples=60, deadline=None)
 @given(plan=st.lists(st.tuples(ACTIONS, st.booleans(), ACTIONS, st.booleans()), min_size=1, max_size=4))
-def test_hand_set_grads_count_in_their_microbatch(plan: list[tuple[str, bool, str, bool]]) -> None:
-    """Microbatch k, for each of two parameters: a backward reaches it or not (gradient k + 1), and a .grad is
-    set by hand to 10 (k + 1) before the backward, after it, or not at all. Each counts in microbatch k,
-    added to the backward's: the mean is sum_k (reached (k + 1) + set 10 (k + 1)) / M; absent everywhere: None."""
+def hand_set_windows(plan: list[tuple[str, bool, str, bool]]) -> None:
+    """One window of test_hand_set_grads_count_in_their_microbatch."""
     a, b = (torch.zeros(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
     acc = MicrobatchAccumulator([("a", a), ("b", b)])
     want = [0.0, 0.0]
@@ -303,6 +319,8 @@ def test_hand_set_grads_count_in_their_microbatch(plan: list[tuple[str, bool, st
                 if act == "after":
                     p.grad = torch.full_like(p, 10.0 * (k + 1))
         for j, (act, reach) in enumerate(((act_a, reach_a), (act_b, reach_b))):
+            if act != "none":
+                hand_set[f"set {act} a backward that reaches it" if reach else "set where no backward reaches"] += 1
             want[j] += (k + 1) * reach + 10.0 * (k + 1) * (act != "none")
             present[j] = present[j] or reach or act != "none"
     acc.finish()
@@ -311,6 +329,17 @@ def test_hand_set_grads_count_in_their_microbatch(plan: list[tuple[str, bool, st
             assert p.grad is None
         else:
             assert p.grad is not None and torch.allclose(p.grad, torch.full_like(p, want[j] / len(plan)), rtol=1e-15)
+        hand_set.update(["absent in the whole window"] * (not present[j]))
+
+
+def test_hand_set_grads_count_in_their_microbatch() -> None:
+    """Microbatch k, for each of two parameters: a backward reaches it or not (gradient k + 1), and a .grad is
+    set by hand to 10 (k + 1) before the backward, after it, or not at all. Each counts in microbatch k,
+    added to the backward's: the mean is sum_k (reached (k + 1) + set 10 (k + 1)) / M; absent everywhere: None.
+    The windows drawn (HAND_SET_SEED) reach every class in HAND_SET_CLASSES."""
+    hand_set.clear()
+    hand_set_windows()
+    assert all(hand_set[c] > 0 for c in HAND_SET_CLASSES), hand_set
 
 
 def test_hand_set_between_microbatches_or_after_the_last_is_refused() -> None:

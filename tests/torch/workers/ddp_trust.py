@@ -101,6 +101,23 @@ def ddp_ignored(weighted: bool) -> dict[str, Any]:
     return {"grads": _grads(model.module), "report": ledger.report(), "rank_local": list(ledger.rank_local)}
 
 
+def ddp_ignored_zero_weights() -> dict[str, Any]:
+    """``b`` in DDP's parameters_to_ignore, rank 1's microbatches all of weight 0 (the others 1, 2, ...): rank 1 has
+    nothing to divide its own sum of ``b`` by, so its ``b`` is absent (None), while ``a`` is the global mean."""
+    module = Pair()
+    DDP._set_params_and_buffers_to_ignore_for_model(module, ["b"])  # see ddp_ignored
+    model = DDP(module)
+    acc = MicrobatchAccumulator(model)
+    rank = dist.get_rank()
+    for k in acc.microbatches(range(COUNTS[rank])):
+        with acc.microbatch(weight=0 if rank == 1 else k + 1):
+            model(torch.tensor(coef(rank, k), dtype=torch.float64)).sum().backward()
+    acc.finish()
+    ledger = acc.ledger
+    acc.close()
+    return {"grads": _grads(model.module), "report": ledger.report(), "divisor": ledger.rank_local_divisor}
+
+
 def ddp_ignored_tiny_count() -> tuple[str, str] | dict[str, Any]:
     """Rank 0's own total weight, 2e-39, is below float32's smallest normal: its rank-local ``b`` (float32) divided
     by it would be inf, though the global D (about 9) divides ``a`` well."""
@@ -184,7 +201,7 @@ def plan(seed: int) -> dict[str, Any]:
 
     rng = random.Random(seed)
     counts = [rng.randint(0, 3) for _ in range(3)]
-    return {
+    pl = {
         "parts": rng.choice(PARTITIONS),
         "ignored": sorted(rng.sample(sorted(SHAPES), rng.randint(0, 2))),
         "counts": counts,
@@ -194,6 +211,12 @@ def plan(seed: int) -> dict[str, Any]:
         "group": rng.choice(["none", "none", "own", "world"]),
         "change": rng.choice([None, None, ("dtype", rng.randint(0, 2)), ("shape", rng.randint(0, 2))]),
     }
+    # drawn last, so that the draws above are those of the seeds before it: a rank whose microbatches all weigh 0
+    # (its rank-local divisor is 0: an ignored parameter's gradient is then absent)
+    zero = rng.choice([None, None, 0, 1, 2])
+    if zero is not None:
+        pl["weights"][zero] = [0] * counts[zero]
+    return pl
 
 
 class Three(nn.Module):
@@ -267,6 +290,7 @@ def trust_world() -> dict[str, Any]:
         "same_group_given": ddp_same_group_given(),
         "ignored": ddp_ignored(False),
         "ignored_weighted": ddp_ignored(True),
+        "ignored_zero": ddp_ignored_zero_weights(),
         "ignored_tiny": ddp_ignored_tiny_count(),
         "buffer_dtype": ddp_buffer_changed("dtype"),
         "buffer_shape": ddp_buffer_changed("shape"),
