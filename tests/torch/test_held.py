@@ -31,6 +31,8 @@ from gradagg.torch import MicrobatchAccumulator, held
 from tests.torch.workers import held_clips
 
 WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0, "preload": ["torch._dynamo"]}
+# torch's own clip, as a name taken before gradagg replaced the module attribute would hold it
+_EARLY_CLIP = torch.nn.utils.clip_grad_norm_
 TOL = 1e-12  # float64: the accumulator's mean and the twin's full-batch mean, summed in another order
 
 
@@ -244,6 +246,44 @@ def test_placeholder_between_microbatches_only() -> None:
     del acc
     gc.collect()
     assert all(p.grad is None for p in model.parameters())  # dropped mid-window: no placeholder outlives it
+
+
+def test_inside_a_microbatch_an_early_clip_is_refused_after_its_backward() -> None:
+    """Inside ``microbatch()``, once a backward took the gradients, a clip by a name taken before gradagg (bound
+    early, so the guard's replaced function is not the one called) is refused and fails the window: it read
+    None there and returned 0 before."""
+    clip = _EARLY_CLIP
+    model = _model(3)
+    acc = MicrobatchAccumulator(model)
+    _open_window(model, acc)
+    with pytest.raises(WindowError, match="still holds"):
+        with acc.microbatch():
+            _loss(model, _batches(10, 1)[0]).backward()
+            clip(model.parameters(), 0.1)
+    with pytest.raises(WindowError, match="read the gradient"):
+        acc.finish()
+    acc.close()
+
+
+def test_several_backwards_in_one_microbatch_still_sum() -> None:
+    """Two backwards in one microbatch (the placeholder in .grad between them, lifted before autograd accumulates)
+    count as that microbatch's gradient: the same as one backward of the summed loss."""
+    batches = _batches(11, 3)
+    model, twin = _model(4), _model(4)
+    acc, acc_twin = MicrobatchAccumulator(model), MicrobatchAccumulator(twin)
+    for b, c in zip(batches, batches[1:] + batches[:1]):
+        with acc.microbatch(weight=2):
+            _loss(model, b).backward()
+            assert all(held.is_held(p.grad) for p in model.parameters())
+            _loss(model, c).backward()
+        with acc_twin.microbatch(weight=2):
+            (_loss(twin, b) + _loss(twin, c)).backward()
+    acc.finish()
+    acc_twin.finish()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert float((p.grad - q.grad).abs().max()) <= TOL  # type: ignore[operator]
+    acc.close()
+    acc_twin.close()
 
 
 def test_writes_into_the_placeholder_fail_the_window() -> None:

@@ -1,8 +1,8 @@
 """No step or clip may silently miss the gradients an accumulator still holds.
 
-During a window every counted gradient sits in the accumulator's buffer and ``.grad`` holds none (None, or
-between microbatches a placeholder that refuses any read: see :mod:`gradagg.torch.accumulate.hooks` and
-:mod:`gradagg.torch.held`). A gradient clip or an optimizer step that runs before ``finish()`` would see nothing:
+During a window every counted gradient sits in the accumulator's buffer and ``.grad`` holds none (None, or once
+a backward's gradient was taken a placeholder that refuses any read: see :mod:`gradagg.torch.accumulate.hooks`
+and :mod:`gradagg.torch.held`). A gradient clip or an optimizer step that runs before ``finish()`` would see nothing:
 the clip clips nothing, the step skips every parameter, silently. This module keeps that from happening, with
 one rule that every rank evaluates the same way.
 
@@ -41,7 +41,7 @@ optimizer's step and marks an attached one's. Frameworks look these functions up
 ``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
 torchtitan's ``dist_utils``), so they meet the wrappers. Code that holds a function by another name (imported
 before the first accumulator was built, a ``functools.partial``, ``get_total_norm`` or ``torch._foreach_norm`` by
-hand) does not: it meets the placeholders that stand in ``.grad`` between microbatches instead
+hand) does not: it meets the placeholders that stand in ``.grad`` once a backward's gradient was taken instead
 (:mod:`gradagg.torch.held`), which refuse any read and fail the window, so that :func:`agree` and ``finish()``
 refuse it on every rank. The step hooks are global: an optimizer built before the first accumulator, or its
 ``step`` held as a bound method, meets them too. The originals are put back when the last accumulator goes
@@ -123,6 +123,13 @@ def veil(state: State) -> None:
     entry = _entries.get(id(state))
     if entry is not None and entry.state() is state:
         entry.veil.put(state)
+
+
+def veil_one(state: State, i: int, t: torch.Tensor) -> None:
+    """Inside a microbatch, once its gradient was taken: parameter ``i``'s placeholder into ``.grad``."""
+    entry = _entries.get(id(state))
+    if entry is not None and entry.state() is state:
+        entry.veil.put_one(state, i, t)
 
 
 def unveil(state: State) -> None:

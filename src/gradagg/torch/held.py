@@ -24,10 +24,11 @@ Under FSDP2 (parameters held as shards) no placeholder is set: a shard's ``.grad
 padding rounds of its shards form run backwards between microbatches; there only the guard's replaced
 functions and step hooks refuse.
 
-Inside a microbatch ``.grad`` is None (autograd accumulates there), so a clip by a name taken early inside
-``microbatch()`` still reads nothing; outside one, the placeholder is there. It is made with
-``torch.Tensor._make_wrapper_subclass`` (private, the way torch's own tensor subclasses such as DTensor are
-made); where a torch lacks it, no placeholder is set and only the guard's replaced functions refuse.
+Inside a microbatch ``.grad`` is None until a backward's gradient is taken, then the placeholder again; a
+tensor hook (which autograd runs before it accumulates into ``.grad``) lifts it for the next backward of the
+microbatch, so several backwards in one microbatch still sum. A clip by a name taken early is refused there too.
+It is made with ``torch.Tensor._make_wrapper_subclass`` (private, the way torch's own tensor subclasses such as
+DTensor are made); where a torch lacks it, no placeholder is set and only the guard's replaced functions refuse.
 """
 
 from __future__ import annotations
@@ -122,11 +123,17 @@ class Veil:
         if not AVAILABLE or state.sharded or not state.window.open or state.window.in_microbatch:
             return  # FSDP2: the shards' .grad and its padding rounds' backwards are FSDP's; not veiled
         for i, t in state.taken:
-            if t.grad is not None or type(t) not in (torch.Tensor, torch.nn.Parameter):  # DTensor: its own ways
-                continue
-            if i not in self.placed:
-                self.placed[i] = (weakref.ref(t), HeldGradient(t, state, i))
-            t.grad = self.placed[i][1]
+            self.put_one(state, i, t)
+
+    def put_one(self, state: State, i: int, t: torch.Tensor) -> None:
+        """The placeholder into parameter ``i``'s ``.grad`` if it is None: between microbatches (:meth:`put`), and
+        inside one once a backward's gradient was taken (:mod:`gradagg.torch.accumulate.hooks`; its tensor hook
+        lifts the placeholder before autograd accumulates the next backward's)."""
+        if not AVAILABLE or state.sharded or t.grad is not None or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return  # FSDP2 and DTensors: their .grad is theirs (see the module docstring)
+        if i not in self.placed:
+            self.placed[i] = (weakref.ref(t), HeldGradient(t, state, i))
+        t.grad = self.placed[i][1]
 
     def lift(self) -> None:
         """Set back to None every ``.grad`` that is still this accumulator's placeholder."""

@@ -11,11 +11,13 @@ the user sets by hand inside a microbatch is taken the same way when the microba
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import cast
 
 import torch
 
+from gradagg.torch import guard, held
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import HAND_SET, LATE, NO_TERM, OUTSIDE, TERM, UNSUPPORTED, Into
 
@@ -31,6 +33,17 @@ def hook(state: State, t: torch.Tensor, i: int, on: OnGrad) -> None:
         on(state, i, param)
 
     state.hooked[id(t)] = (t, t.register_post_accumulate_grad_hook(after_accumulate))  # type: ignore[no-untyped-call]
+    if held.AVAILABLE and not state.sharded and t.requires_grad and t.grad_fn is None:
+        # a leaf that may hold a placeholder (see gradagg.torch.held): its tensor hooks run before autograd
+        # accumulates into .grad, so the placeholder set after the previous backward's gradient was taken is
+        # lifted first, and this backward's gradient lands in an empty .grad, as without it
+        ref = weakref.ref(t)
+        state.extra_hooks.append(t.register_hook(lambda grad: _lift(ref())))  # type: ignore[no-untyped-call]
+
+
+def _lift(t: torch.Tensor | None) -> None:
+    if t is not None and held.is_held(t.grad):
+        t.grad = None
 
 
 def on_grad(state: State, i: int, param: torch.Tensor) -> None:
@@ -64,6 +77,7 @@ def on_grad(state: State, i: int, param: torch.Tensor) -> None:
         else:  # loss terms: into the running term's own sum
             add_term(state, i, grad, w.into)
         param.grad = None
+        guard.veil_one(state, i, param)  # a read before the microbatch ends is refused, whatever name it comes by
     w.seen.add(i)
     if w.in_last and w.sender is not None:
         w.sender.ready(i)
@@ -88,7 +102,7 @@ def add_term(state: State, i: int, grad: torch.Tensor, into: Into) -> None:
 def hooked_grads(state: State) -> list[tuple[int, torch.Tensor]]:
     """The tensors whose ``.grad`` the accumulator takes (the parameters neither held as shards nor reduced by the
     wrapper, and the tensors the wrapper holds for them: FSDP2's unsharded ones) that hold one now."""
-    out = [(i, t) for i, t in state.taken if t.grad is not None]
+    out = [(i, t) for i, t in state.taken if t.grad is not None and not held.is_held(t.grad)]
     return out + [(i, t) for i, t in state.wrapper.held().items() if state.takes(i) and t.grad is not None]
 
 
