@@ -321,8 +321,9 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
     Raises:
         WindowError: held gradients that cannot be made right here (see the module docstring).
     """
+    what = name if "." in name else f"torch.nn.utils.{name}"  # (GradScaler.unscale_ comes by its own name)
     for entry, state in _live():
-        if not _indices(state, tensors) or not agree(state, f"torch.nn.utils.{name}"):
+        if not _indices(state, tensors) or not agree(state, what):
             continue
         finish = next(iter(entry.attached.values()), None)
         if can_finish and finish is not None:
@@ -330,7 +331,7 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
             continue
         why = "(the norm was computed before, on no gradient) " if name == "clip_grads_with_norm_" else ""
         raise WindowError(
-            f"torch.nn.utils.{name} called on parameters whose gradients {state.label()} still holds {why}(the "
+            f"{what} called on parameters whose gradients {state.label()} still holds {why}(the "
             "window was not finished: .grad holds none, nothing would be clipped); call acc.finish() before clipping"
             + ("" if name == "clip_grads_with_norm_" else ", or acc.attach(optimizer): a clip then finishes first")
         )
@@ -353,6 +354,30 @@ def _guarded(name: str, original: Callable[..., Any], *, can_finish: bool) -> Ca
 _CLIPS = {"clip_grad_norm_": True, "clip_grad_value_": True, "clip_grads_with_norm_": False}
 
 
+def _guarded_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.amp.GradScaler.unscale_``: a reader of the gradients like a clip (an attached window finishes
+    first, an unattached one is refused), and a scale ready on a rank that ran no microbatch.
+
+    GradScaler sets its scale at its first ``scale(loss)``; a rank with no microbatch in the window never called
+    it, yet ``finish()`` hands it the window's (scaled) gradient like every rank, and ``unscale_`` would fail on
+    its missing scale. Scaling a zero (public ``scale()``) sets it to ``init_scale``, what every other rank set at
+    its first ``scale()``; the ranks then update it alike, from the same reduced gradients.
+    """
+
+    @functools.wraps(original)
+    def unscale_(scaler: Any, optimizer: Any) -> Any:
+        params = optimizer_params(optimizer)
+        if _live() and any(_indices(state, params) for _, state in _live()):
+            before_clip("GradScaler.unscale_", params, can_finish=True)
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and scaler.is_enabled():
+                scaler.scale(torch.zeros((), device=grads[0].device))  # sets a scale never set; else changes nothing
+        return original(scaler, optimizer)
+
+    unscale_.__gradagg_original__ = original  # type: ignore[attr-defined]
+    return unscale_
+
+
 class _Patching:
     """The wrappers in ``torch.nn.utils`` and the global step hooks, while any accumulator is alive."""
 
@@ -372,6 +397,10 @@ class _Patching:
             self.wrappers[name] = _guarded(name, original, can_finish=can_finish)
             for where in (torch.nn.utils, clip_module):
                 setattr(where, name, self.wrappers[name])
+        scaler = torch.amp.GradScaler
+        original_unscale = getattr(scaler.unscale_, "__gradagg_original__", scaler.unscale_)
+        self.wrappers["GradScaler.unscale_"] = _guarded_unscale(original_unscale)
+        scaler.unscale_ = self.wrappers["GradScaler.unscale_"]  # type: ignore[method-assign]
         self.handles = [
             register_optimizer_step_pre_hook(_step_pre_hook),
             register_optimizer_step_post_hook(_step_post_hook),
@@ -380,6 +409,9 @@ class _Patching:
     def uninstall(self) -> None:
         import torch.nn.utils.clip_grad as clip_module
 
+        unscale = self.wrappers.pop("GradScaler.unscale_", None)
+        if unscale is not None and torch.amp.GradScaler.unscale_ is unscale:  # someone else's replacement stays
+            torch.amp.GradScaler.unscale_ = unscale.__gradagg_original__  # type: ignore[attr-defined, method-assign]
         for name, wrapper in self.wrappers.items():
             for where in (torch.nn.utils, clip_module):
                 if getattr(where, name, None) is wrapper:  # someone else's replacement stays
