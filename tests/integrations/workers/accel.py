@@ -15,23 +15,25 @@ from tests.integrations import tiny_llama as tl
 from tests.integrations.workers import steps as st
 
 
-def accelerate_world(cases: list[tuple[str, float | None]]) -> dict[str, Any]:
+def accelerate_world(cases: list[tuple[str, float | None]], mixed_precision: str = "no") -> dict[str, Any]:
     """Run each ``(loop, clip)`` case; loop is "exact" (accelerator.backward), "two" (the same with two optimizers),
-    "plain" (.backward()) or "native" (Accelerate's documented accumulate() recipe with the model's mean loss)."""
+    "plain" (.backward()) or "native" (Accelerate's documented accumulate() recipe with the model's mean loss).
+    ``mixed_precision``: Accelerate's switch, for the whole world (its state is set once per process)."""
     st.launcher_env()
     out: dict[str, Any] = {}
     for loop, clip in cases:
-        out[f"{loop}/{clip}"] = _case(loop, clip)
-    out["refused_nested"] = _nested_accumulate_refused()
+        out[f"{loop}/{clip}"] = _case(loop, clip, mixed_precision)
+    if mixed_precision == "no":
+        out["refused_nested"] = _nested_accumulate_refused()
     return out
 
 
-def _prepared(two: bool = False) -> tuple[Any, Any, Any, Any]:
+def _prepared(two: bool = False, mixed_precision: str = "no") -> tuple[Any, Any, Any, Any]:
     """Accelerate's objects; ``two``: two optimizers, Muon beside AdamW's split (the matrices in one, the
     embedding and the norms in the other), prepared together and given to exact() as a list."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=st.STEPS)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=st.STEPS, mixed_precision=mixed_precision)
     model = tl.model(0)
     if two:
         named = list(model.named_parameters())
@@ -45,10 +47,10 @@ def _prepared(two: bool = False) -> tuple[Any, Any, Any, Any]:
     return accelerator, model, optimizers if two else optimizers[0], loader
 
 
-def _case(loop: str, clip: float | None) -> dict[str, Any]:
+def _case(loop: str, clip: float | None, mixed_precision: str = "no") -> dict[str, Any]:
     from gradagg.integrations.accelerate import exact
 
-    accelerator, model, optimizer, loader = _prepared(two=loop == "two")
+    accelerator, model, optimizer, loader = _prepared(two=loop == "two", mixed_precision=mixed_precision)
     optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
     acc = None if loop == "native" else exact(accelerator, model, optimizer)
     inner, rec, fresh = accelerator.unwrap_model(model), st.Recorder(), True
