@@ -19,7 +19,8 @@ from tests.integrations.workers import steps as st
 
 
 def lightning_world(cases: list[tuple[str, str, float | None]]) -> dict[str, Any]:
-    """Run each ``(strategy, loop, clip)``: strategy "ddp" or "fsdp2" (ModelParallelStrategy with fully_shard);
+    """Run each ``(strategy, loop, clip)``: strategy "ddp" or "fsdp2" (ModelParallelStrategy with fully_shard), with
+    ``-bf16`` for Lightning's ``precision="bf16-mixed"``;
     loop "dict" (``{"loss", "weight"}``), "fn" (``ExactAccumulation(weight=fn)``), "native" (no callback, the
     model's mean loss) or "noweight" (the callback, a bare summed loss: refused)."""
     st.launcher_env()
@@ -82,11 +83,13 @@ def _case(strategy: str, loop: str, clip: float | None) -> dict[str, Any]:
     from gradagg.integrations.lightning import ExactAccumulation
 
     rec = st.Recorder()
+    precision = "bf16-mixed" if strategy.endswith("-bf16") else "32-true"
+    strategy = strategy.removesuffix("-bf16")
     callbacks = {"native": [], "dict": [ExactAccumulation()], "noweight": [ExactAccumulation()],
                  "fn": [ExactAccumulation(weight=lambda b, _i: tl.tokens(b))]}[loop]
     trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy(strategy), max_epochs=st.EPOCHS,
                          accumulate_grad_batches=st.STEPS, gradient_clip_val=clip, callbacks=callbacks,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     loader = torch.utils.data.DataLoader(st.Indexed(), batch_size=st.PER_MICROBATCH, collate_fn=st.collate)
     module = _module(loop, strategy == "fsdp2", rec)
