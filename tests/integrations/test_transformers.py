@@ -248,3 +248,23 @@ def test_bench_hf_quick_runs() -> None:
     ratios = r"( \d\.\d{3} \|){3} <= 1.05 \|$"
     assert re.search(r"^\| Trainer step, exact\(trainer\) \| [\d.]+ ms \| [\d.]+ ms \|" + ratios, done.stdout, re.M), \
         done.stdout
+
+
+BF16_CASES: dict[str, hf.Case] = {
+    "exact/bf16": {"exact": True, "bf16": True, "clip": CLIP},
+    "native/bf16_avg_off": {"bf16": True, "avg_tokens": False},
+}
+# bf16 autocast rounds the forward's and backward's matmuls to 8 significant bits (2**-8 ~ 4e-3 per rounding); the
+# window's sums stay float32: within BF16_TOLERANCE of the float64 truth without autocast.
+BF16_TOLERANCE = 2e-2
+
+
+def test_the_trainers_bf16_switch_is_exact_within_the_round_off() -> None:
+    """TrainingArguments(bf16=True) with exact(trainer), clipped: every step the float64 full-batch mean within bf16's
+    round-off; the Trainer's own recipe with average_tokens_across_devices=False stays off by its weighting."""
+    results = dict(zip(BF16_CASES, run_local_world(hf.cases_world, 2, list(BF16_CASES.values()), **hf.WORLD)[0]))
+    ours = [s["error"] for s in results["exact/bf16"]["steps"]]
+    native = [s["error"] for s in results["native/bf16_avg_off"]["steps"]]
+    assert len(ours) == 2 and max(ours) < BF16_TOLERANCE, ours
+    assert min(ours) > 1e-5, ours  # bf16's round-off is there: the switch acted (float32 stays below 1e-6)
+    assert max(native) > OFF, native

@@ -14,7 +14,8 @@ mean over the unshifted labels; ``"tagging_div"`` and ``"tagging_or1"``, the sam
 ``num_items_in_batch``; ``"causal"``, transformers' causal LM loss; counted by ``weight=`` when ``weight`` is set),
 ``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`), ``rows`` (the
 number of sequences, both ranks together, instead of 20) with ``even_batches`` (Accelerate's; False: a rank may run
-one microbatch more), ``two`` (two optimizers in one container, :class:`TwoOptimizers`).
+one microbatch more), ``two`` (two optimizers in one container, :class:`TwoOptimizers`), ``bf16`` (the Trainer's
+``bf16=True``; all cases of a world alike).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def training_args(case: Case, out: str) -> Any:
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=7, lr_scheduler_type="constant",
         average_tokens_across_devices=case.get("avg_tokens", True), ddp_timeout=60,
     )
+    if case.get("bf16"):  # the Trainer's switch: its forward under bf16 autocast (a world of its own: Accelerate's
+        options["bf16"] = True  # state takes one mixed precision per process)
     if "even_batches" in case:  # False: Accelerate deals the batches out in turn, a rank may get one more
         options["accelerator_config"] = {"even_batches": case["even_batches"]}
     if case.get("trainer") == "sft":
