@@ -329,3 +329,40 @@ def test_the_ledger_of_a_weighted_window_in_every_field() -> None:
     want = (1.0 + 2.0 + 6.0) / 8
     assert a.grad is not None and b.grad is not None and a.grad.dtype == torch.float32
     assert a.grad.tolist() == [want, want] and b.grad.tolist() == [2 * want, 2 * want]
+
+
+def test_refusals_at_finish_say_when_the_gradient_came() -> None:
+    """A .grad set by hand after the last microbatch, and one left before a finish() that ran no microbatch: each
+    refusal says which (the first before any padding round could drop it, the second as no window opened)."""
+    p = torch.zeros(2, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    with acc.microbatch():
+        p.sum().backward()
+    p.grad = torch.ones(2)
+    with pytest.raises(WindowError, match=r"'p' has a \.grad set by hand after the window's last microbatch: no"):
+        acc.finish()
+    acc.discard()
+    p.grad = torch.ones(2)
+    with pytest.raises(WindowError, match="'p' already has a non-zero gradient yet this rank ran no microbatch"):
+        acc.finish()
+    acc.discard()
+    acc.close()
+
+
+def test_an_attached_optimizer_steps_after_each_explicit_finish() -> None:
+    """finish() by hand, then the attached optimizer's step, window after window: each step takes the window just
+    finished (the finishes are counted: a step finishes again only where none happened since the last)."""
+    p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    opt = torch.optim.SGD([p], lr=1.0)
+    acc.attach(opt)
+    for v in (2.0, 6.0, 10.0):
+        with acc.microbatch():
+            (p * v).sum().backward()
+        assert acc.finish().divisor == 1
+        opt.step()
+        opt.zero_grad()
+    assert p.tolist() == [-18.0, -18.0]
+    with pytest.raises(WindowError, match="M = 0"):
+        opt.step()  # no window since the last step: it finishes an empty one, refused
+    acc.close()
