@@ -196,7 +196,24 @@ def test_group_token_mean_is_not_the_token_mean_nor_per_microbatch_groups() -> N
         (lambda: aggregate("seq-mean-token-sum-norm", torch.ones(2), torch.ones(2)), "norm=C"),
         (lambda: aggregate("group-token-mean", torch.ones(2), torch.ones(2)), "plan_window"),
         (lambda: plan_window("group-token-mean", [Layout(torch.ones(2, 2))]), "microbatch 0 has no group_ids"),
-        (lambda: plan_window("token-mean", [Layout(torch.ones(2, 2), seq_ids=[1])]), "1 ids for the 2 sequences"),
+        (
+            lambda: plan_window("token-mean", [Layout(torch.ones(2, 2), seq_ids=[1])]),
+            "microbatch 0: seq_ids has 1 ids for the 2 sequences",
+        ),
+        (
+            lambda: plan_window("group-token-mean", [Layout(torch.ones(1, 2), group_ids=[0]),
+                                                     Layout(torch.ones(2, 2), group_ids=[1, 2, 3])]),
+            "microbatch 1: group_ids has 3 ids for the 2 sequences",
+        ),
+        (lambda: plan_window("token-mean", [Layout(torch.ones(2)), Layout(torch.tensor([1, 2]))]),
+         "microbatch 1: mask"),
+        (
+            lambda: plan_window("token-mean", [Layout(torch.ones(2), cu_seqlens=torch.tensor([0, 1, 2])),
+                                               Layout(torch.ones(2), cu_seqlens=torch.tensor([0, 3]))]),
+            "microbatch 1: cu_seqlens",
+        ),
+        (lambda: plan_window("token-mean", [Layout(torch.ones(1, 2))]).part(0, torch.ones(1, 3)),
+         "token-mean, microbatch 0: the token loss has shape (1, 3)"),
         (lambda: plan_window("token-mean", [Layout(torch.zeros(2, 2))]), "no valid token in the window"),
         (
             lambda: plan_window("group-token-mean", [Layout(torch.ones(2, 2), seq_ids=[5, 5], group_ids=[0, 1])]),
@@ -320,3 +337,32 @@ def test_a_plan_refuses_a_window_divided_by_another_count() -> None:
             with pytest.raises(GradaggError, match=re.escape(fragment)):
                 plan.check(ledger)
         acc.close()
+
+
+def test_a_plan_in_its_fields_parts_dtypes_and_tensor_ids() -> None:
+    """A plan's norm, divisor (|S| C) and groups (None without group ids); each Part in the loss's dtype, its weight
+    int64 (float64 where C makes it fractional); sequence ids given as tensors (a sequence split over two
+    microbatches counted once); a ledger divided by a divisor off by 1e-10 refused."""
+    lays = [Layout(torch.tensor([[1, 1, 0], [1, 0, 0]]), seq_ids=torch.tensor([[7, 8]])),
+            Layout(torch.tensor([[1, 1, 1]]), seq_ids=torch.tensor([8]))]
+    losses = [torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]]), torch.tensor([[8.0, 16.0, 32.0]])]
+    plan = plan_window("seq-mean-token-sum-norm", lays, norm=2.5)
+    assert (plan.norm, plan.sequences, plan.divisor, plan.groups) == (2.5, 2, 5.0, None)
+    for dtype in (torch.float32, torch.float64):
+        parts = [plan.part(k, loss.to(dtype)) for k, loss in enumerate(losses)]
+        assert [p.loss.dtype for p in parts] == [dtype, dtype]
+        assert [p.weight.dtype for p in parts] == [torch.float64, torch.float64]
+        assert [float(p.loss) for p in parts] == [7.0, 56.0] and [float(p.weight) for p in parts] == [5.0, 0.0]
+    token = plan_window("token-mean", lays)
+    assert (token.norm, token.groups, token.tokens, token.divisor) == (None, None, 6, 6)
+    part = token.part(0, losses[0].float())
+    assert (part.loss.dtype, part.weight.dtype, int(part.weight)) == (torch.float32, torch.int64, 3)
+    from types import SimpleNamespace
+
+    for off, refused in ((0.0, False), (1e-13, False), (1e-10, True)):
+        ledger = SimpleNamespace(microbatches_global=2, divisor=5.0 * (1 + off), weighting="weighted")
+        if refused:
+            with pytest.raises(GradaggError, match="the plan counted 5.0"):
+                plan.check(ledger)
+        else:
+            plan.check(ledger)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
 
+from gradagg.errors import GradaggError
 from gradagg.torch.modes import Mode, aggregate
-from gradagg.torch.modes.segments import segments
+from gradagg.torch.modes.segments import check_loss, segments
 
 SEGMENT_SEED = 3637  # the layouts below are drawn from it
 LAYOUTS = 200
@@ -119,3 +121,22 @@ def test_segments_match_a_python_walk_over_the_tokens() -> None:
             want[s] += v if m else 0.0
         assert seg.sums(torch.tensor(losses, dtype=torch.float64).reshape(shape)).tolist() == want, where
     assert all(reached[c] > 0 for c in CLASSES), reached
+
+
+def test_cu_seqlens_as_a_list_a_float_or_a_2d_tensor_and_their_refusals() -> None:
+    """The offsets as flash-attention and collators give them: a list, a float tensor, a (1, n) tensor; offsets
+    that do not rise from 0 to the tokens are refused, naming the microbatch; so are a bad mask and a loss of
+    another dtype or type."""
+    mask = torch.ones(5, dtype=torch.bool)
+    for cu in ([0, 2, 5], torch.tensor([0.0, 2.0, 5.0]), torch.tensor([[0, 2, 5]])):
+        seg = segments(mask, cu_seqlens=cu)  # type: ignore[arg-type]
+        assert (seg.count, seg.index.tolist(), seg.tokens.tolist()) == (2, [0, 0, 1, 1, 1], [2, 3]), cu
+    for bad in ([0, 3, 2, 5], [1, 2, 5], [0, 2, 4], [0, 2.5, 5]):
+        with pytest.raises(GradaggError, match=r"^microbatch 4: cu_seqlens .* must rise from 0 to the 5 tokens"):
+            segments(mask, cu_seqlens=torch.tensor(bad), where="microbatch 4")
+    with pytest.raises(GradaggError, match=r"^microbatch: mask\[1\] is 2"):
+        segments(torch.tensor([1, 2]))
+    seg = segments(mask)
+    for loss, got in ((torch.ones(5, dtype=torch.long), "torch.int64 tensor"), ([1.0] * 5, "list")):
+        with pytest.raises(GradaggError, match=f"^here: the token loss must be a floating-point tensor, got {got}$"):
+            check_loss(loss, seg, "here")  # type: ignore[arg-type]

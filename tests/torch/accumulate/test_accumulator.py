@@ -284,3 +284,85 @@ def test_a_backward_with_create_graph_keeps_the_buffer_out_of_the_graph() -> Non
     assert lin.weight.grad.grad_fn is None
     torch.testing.assert_close(lin.weight.grad.double(), truth, rtol=1e-6, atol=0)  # float32 sums of 2 terms
     acc.close()
+
+
+def _two_dtypes(weights: list[float] | None) -> tuple[torch.Tensor, torch.Tensor, MicrobatchAccumulator]:
+    """A float32 and a float64 parameter (the buffer is float64), run over 3 microbatches of gradients v, 2v."""
+    a = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+    b = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("a", a), ("b", b)])
+    for k, v in enumerate((1.0, 2.0, 6.0)):
+        with acc.microbatch(None if weights is None else weights[k]):
+            ((a * v).sum() + (b * 2 * v).sum()).backward()
+    return a, b, acc
+
+
+def test_the_ledger_of_an_unweighted_window_in_every_field() -> None:
+    """Without weights: M per rank, no weight fields; before finish() no global field; a float32 parameter beside a
+    float64 one gets its gradient in its own dtype (the buffer is float64)."""
+    a, b, acc = _two_dtypes(None)
+    before = acc.ledger
+    assert (before.microbatches_local, before.microbatches_global, before.microbatches_per_rank) == (3, None, None)
+    assert (before.divisor, before.weight_local, before.weight_per_rank, before.weight_global) == (None,) * 4
+    ledger = acc.finish()
+    assert (ledger.microbatches_global, ledger.microbatches_per_rank, ledger.divisor) == (3, (3,), 3)
+    assert ledger.weighting == "unweighted"
+    assert (ledger.weight_local, ledger.weight_per_rank, ledger.weight_global) == (None, None, None)
+    assert ledger.participation_global == ledger.participation_local == {"a": 3, "b": 3}
+    assert a.grad is not None and b.grad is not None
+    assert (a.grad.dtype, b.grad.dtype) == (torch.float32, torch.float64)
+    assert a.grad.tolist() == [3.0, 3.0] and b.grad.tolist() == [6.0, 6.0]  # (1 + 2 + 6) / 3, twice that
+
+
+def test_the_ledger_of_a_weighted_window_in_every_field() -> None:
+    """With weights 1, 2, 5: D = 8, this rank's total and the per-rank totals in the ledger, before finish() only the
+    local total; the gradients are the summed losses' gradients over 8 (a weight counts what the loss summed), in
+    each parameter's dtype."""
+    a, b, acc = _two_dtypes([1.0, 2.0, 5.0])
+    before = acc.ledger
+    assert (before.weight_local, before.weight_per_rank, before.weight_global) == (8.0, None, None)
+    ledger = acc.finish()
+    assert ledger.weighting == "weighted"
+    assert (ledger.divisor, ledger.weight_local, ledger.weight_per_rank, ledger.weight_global) == (8.0, 8.0, (8.0,),
+                                                                                                   8.0)
+    assert (ledger.microbatches_global, ledger.microbatches_per_rank) == (3, (3,))
+    want = (1.0 + 2.0 + 6.0) / 8
+    assert a.grad is not None and b.grad is not None and a.grad.dtype == torch.float32
+    assert a.grad.tolist() == [want, want] and b.grad.tolist() == [2 * want, 2 * want]
+
+
+def test_refusals_at_finish_say_when_the_gradient_came() -> None:
+    """A .grad set by hand after the last microbatch, and one left before a finish() that ran no microbatch: each
+    refusal says which (the first before any padding round could drop it, the second as no window opened)."""
+    p = torch.zeros(2, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    with acc.microbatch():
+        p.sum().backward()
+    p.grad = torch.ones(2)
+    with pytest.raises(WindowError, match=r"'p' has a \.grad set by hand after the window's last microbatch: no"):
+        acc.finish()
+    acc.discard()
+    p.grad = torch.ones(2)
+    with pytest.raises(WindowError, match="'p' already has a non-zero gradient yet this rank ran no microbatch"):
+        acc.finish()
+    acc.discard()
+    acc.close()
+
+
+def test_an_attached_optimizer_steps_after_each_explicit_finish() -> None:
+    """finish() by hand, then the attached optimizer's step, window after window: each step takes the window just
+    finished (the finishes are counted: a step finishes again only where none happened since the last)."""
+    p = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    opt = torch.optim.SGD([p], lr=1.0)
+    acc.attach(opt)
+    for v in (2.0, 6.0, 10.0):
+        with acc.microbatch():
+            (p * v).sum().backward()
+        assert acc.finish().divisor == 1
+        opt.step()
+        opt.zero_grad()
+    assert p.tolist() == [-18.0, -18.0]
+    with pytest.raises(WindowError, match="M = 0"):
+        opt.step()  # no window since the last step: it finishes an empty one, refused
+    acc.close()

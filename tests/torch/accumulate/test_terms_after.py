@@ -90,7 +90,7 @@ REFUSALS = [
         ("weight", "WindowError", "invalid or inconsistent microbatch weight", "has weight=, but"),
         ("divisors", "GradaggError", "divisors() on an accumulator built with terms=", ""),
         ("unknown_term", "WindowError", "'polcy', not one of the accumulator's terms", ""),
-        ("negative_count", "WindowError", "rank 1 could not count its loss terms", "given count -2.0"),
+        ("negative_count", "WindowError", "rank 1 could not count its loss terms", "'policy' was given count -2.0"),
         ("nonfinite", "NonFiniteGradientError", "non-finite gradients on rank(s) [0]", ""),
         ("hand_set", "WindowError", "rank 1 could not count its loss terms", "outside mb.backward"),
 ]
@@ -111,9 +111,11 @@ def test_refused_on_every_rank(
 
 
 def test_a_term_counting_zero_with_a_zero_gradient_contributes_nothing(refused: list[dict[str, Any]]) -> None:
-    """No token survived the nll filter anywhere: its loss is 0 * ..., count 0 on every rank; allowed, recorded 0."""
+    """No token survived the nll filter anywhere: its loss is 0 * ..., count 0 on every rank; allowed, recorded 0;
+    also where only rank 0 ran it (rank 1, holding no sum of it, must not take the window's buffer for its sum)."""
     for r in refused:
         assert r["zero_count_zero_grad"] is None, r["zero_count_zero_grad"]
+        assert r["zero_count_one_rank"] is None, r["zero_count_one_rank"]
         terms = r["zero_count_terms"]
         assert terms["nll"] == 0.0 and terms["kl"] == 0.0 and terms["policy"] > 0, terms
 
@@ -137,6 +139,7 @@ def test_refusals_in_one_process(monkeypatch: pytest.MonkeyPatch, as_rank: int) 
         assert got[case] is not None and got[case][0] == kind, (case, got[case])
         assert everywhere.replace("rank 1", "rank 0") in got[case][1] and where_it_happened in got[case][1], got[case]
     assert got["zero_count_zero_grad"] is None and got["zero_count_terms"]["nll"] == 0.0, got
+    assert got["zero_count_one_rank"] is None, got
 
 
 def _acc(*terms: str) -> tuple[torch.Tensor, MicrobatchAccumulator]:
@@ -295,4 +298,25 @@ def test_a_microbatch_handle_used_in_a_later_microbatch_is_refused() -> None:
     with acc.microbatch(), pytest.raises(WindowError, match="outside its microbatch"):
         first.backward("a", w.sum(), count=1)
     acc.discard()
+    acc.close()
+
+
+def test_one_term_named_by_a_string_and_a_part_keeping_its_graph() -> None:
+    """terms="policy" is one term named policy (not one per letter); mb.backward(term, part, retain_graph=True)
+    keeps the forward's graph for a second term back-propagated through it."""
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    acc = MicrobatchAccumulator([("w", w)], terms="policy")
+    with acc.microbatch() as mb:
+        mb.backward("policy", 3.0 * w.sum(), count=2)
+    assert acc.finish().terms == {"policy": 2.0}
+    assert w.grad is not None and w.grad.tolist() == [1.5, 1.5]
+    acc.close()
+    w.grad = None
+    w, acc = _acc("tok", "kl")
+    with acc.microbatch() as mb:
+        shared = (w * torch.tensor([2.0, 4.0], dtype=torch.float64))[None, :]  # one forward, two terms
+        mb.backward("tok", token_mean(shared, torch.ones(1, 2)), retain_graph=True)  # (2 w0 + 4 w1), 2 tokens
+        mb.backward("kl", shared.sum(), count=1)  # through the same graph: it must have been kept
+    assert acc.finish().terms == {"tok": 2.0, "kl": 1.0}
+    assert w.grad is not None and w.grad.tolist() == [2.0 / 2 + 2.0, 4.0 / 2 + 4.0]
     acc.close()

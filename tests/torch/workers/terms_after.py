@@ -244,6 +244,15 @@ def _zero_count_zero_grad(acc: MicrobatchAccumulator, model: Model) -> Any:
     return acc.finish().terms
 
 
+def _zero_count_one_rank(acc: MicrobatchAccumulator, model: Model) -> None:
+    with acc.microbatch() as mb:
+        parts = term_losses(model, [dist.get_rank()])
+        mb.backward("policy", *parts["policy"], retain_graph=True)
+        if dist.get_rank() == 0:  # counted 0 everywhere, run on rank 0 only: rank 1 holds no sum of it
+            mb.backward("nll", 0 * parts["nll"][0], count=0)
+    acc.finish()
+
+
 def refusals_world() -> dict[str, Any]:
     rank = dist.get_rank()
     out: dict[str, Any] = {
@@ -258,6 +267,7 @@ def refusals_world() -> dict[str, Any]:
                            nonfinite="raise"),
         "hand_set": _case(_hand_set),
     }
+    out["zero_count_one_rank"] = _case(_zero_count_one_rank)
     holder: list[Any] = []
     out["zero_count_zero_grad"] = _case(lambda a, m: holder.append(_zero_count_zero_grad(a, m)))
     out["zero_count_terms"] = holder[0] if holder else None
