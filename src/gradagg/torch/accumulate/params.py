@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class Params:
         """
         ddp = source if isinstance(source, DistributedDataParallel) else None
         module = ddp.module if ddp is not None else (source if isinstance(source, torch.nn.Module) else None)
+        if module is not None:
+            _refuse_fsdp1(module)
         items: Iterable[object] = module.named_parameters() if module is not None else source  # type: ignore[assignment]
         out = cls([], [], module, ddp)
         ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))  # DDP's own: rank-local, never reduced
@@ -57,6 +60,8 @@ class Params:
                 raise GradaggError(f"expected a module, tensors or (name, tensor) pairs; item {k} is {kind}")
             if id(t) in seen:
                 continue
+            if FSDP1_PREFIX in name.split("."):
+                raise GradaggError(_fsdp1_text(f"parameter {name!r} belongs to an FSDP1 unit"))
             seen.add(id(t))
             if t.requires_grad and name in ignored:
                 out.local.append((name, t))
@@ -95,6 +100,34 @@ class Params:
             if n not in mine or (n not in by_name and mine[n] is not p):
                 return f"parameter {n!r} requires grad but is not among the accumulated ones (unfrozen or replaced)"
         return None
+
+
+FSDP1_PREFIX = "_fsdp_wrapped_module"  # the attribute FSDP1 holds its module under (in every parameter's name)
+
+
+def _refuse_fsdp1(module: torch.nn.Module) -> None:
+    """FSDP1 is not supported yet: refused by name (every rank builds the same model, so every rank refuses).
+
+    Its parameters are flat shards (or views of them) whose sizes differ per rank, and its reduce-scatter averages
+    every microbatch: nothing gradagg's wrappers know. The class is looked up only where the user imported it.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is None:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, fsdp1):
+            where = "the module given is FSDP1's FullyShardedDataParallel" if not name else (
+                f"submodule {name!r} is FSDP1's FullyShardedDataParallel")
+            raise GradaggError(_fsdp1_text(where))
+
+
+def _fsdp1_text(where: str) -> str:
+    return (
+        f"{where}: FSDP1 is not supported yet; use FSDP2's fully_shard (torch.distributed.fsdp.fully_shard; "
+        "Accelerate's FSDP plugin with fsdp_version=2, HF Trainer with fsdp_config={'fsdp_version': 2}, Lightning's "
+        "ModelParallelStrategy), which gradagg keeps exact"
+    )
 
 
 def _pair(item: object) -> tuple[str, object]:
