@@ -69,6 +69,8 @@ def test_mixed_weighting_refused_on_every_rank(plain: list[dict[str, Any]]) -> N
     for r in plain:
         kind, msg = r["mixed"]
         assert kind == "WindowError" and "rank 0 weighted" in msg and "rank 1 unweighted" in msg
+        assert ("refused on every rank: ranks counted their microbatches differently (rank 0 weighted; rank 1 "
+                "unweighted)") in msg, msg
 
 
 def test_parameter_unfrozen_after_construction_refused_on_every_rank(plain: list[dict[str, Any]]) -> None:
