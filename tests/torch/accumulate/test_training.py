@@ -37,10 +37,14 @@ def test_weighted_uneven_counts_give_the_token_mean(plain: list[dict[str, Any]])
 
 
 def test_weighted_with_a_rank_running_nothing(plain: list[dict[str, Any]]) -> None:
-    """Rank 0 runs no microbatch, rank 1 runs 4 (tokens 6, 2, 5, 0): D = 13; rank 0 receives the same mean."""
+    """Rank 0 runs no microbatch, rank 1 runs 4 (tokens 6, 2, 5, 0): D = 13; rank 0 receives the same mean, its
+    ledger weighted with a total weight of 0."""
     for r in plain:
         assert r["zero"]["error"] <= TOL
         assert r["zero"]["ledger"].microbatches_per_rank == (0, 4) and r["zero"]["ledger"].divisor == 13
+    idle = plain[0]["zero"]["ledger"]  # the rank that ran nothing counts as weighted, with a total weight of 0
+    assert (idle.weighting, idle.weight_local, idle.weight_per_rank, idle.weight_global) == ("weighted", 0.0,
+                                                                                              (0.0, 13.0), 13.0)
 
 
 def test_many_buckets_with_lookahead_match_and_count(plain: list[dict[str, Any]]) -> None:
