@@ -77,6 +77,21 @@ def test_mixed_weighting_refused_on_every_rank(plain: list[dict[str, Any]]) -> N
                 "unweighted)") in msg, msg
 
 
+def test_a_failed_rank_and_mixed_weighting_refused_together_and_until_discard(plain: list[dict[str, Any]]) -> None:
+    """Rank 0 set a .grad by hand and weighted, rank 1 did not weight: both reasons on both ranks (no "here" on the
+    mixed-weighting refusal alone, see above); a step before discard() refused; finish() again refused, rank 1's
+    message naming rank 0 as the one that failed."""
+    for r in plain:
+        kind, msg = r["failed"]["first"]
+        assert kind == "WindowError", (kind, msg)
+        assert ("refused on every rank: ranks counted their microbatches differently (rank 0 weighted; rank 1 "
+                "unweighted); rank 0 had a .grad set by hand") in msg, msg
+        assert r["failed"]["step"] is not None and r["failed"]["step"][0] == "WindowError", r["failed"]["step"]
+        assert r["failed"]["again"] is not None and r["failed"]["again"][0] == "WindowError", r["failed"]["again"]
+    assert "(here: rank(s) [0] failed in the window)" in plain[1]["failed"]["again"][1], plain[1]["failed"]["again"]
+    assert "(here:" not in plain[0]["mixed"][1] and "(here:" not in plain[1]["mixed"][1], plain[0]["mixed"]
+
+
 def test_parameter_unfrozen_after_construction_refused_on_every_rank(plain: list[dict[str, Any]]) -> None:
     """``unused`` frozen when the accumulator was built, unfrozen on rank 1: its gradient would be neither
     reduced nor divided; both ranks refuse, naming rank 1 (and the parameter there)."""
