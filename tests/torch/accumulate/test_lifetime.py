@@ -204,14 +204,21 @@ def test_an_accumulator_per_step_in_a_helper(world: list[dict[str, Any]]) -> Non
 
 
 def test_two_accumulators_finished_in_another_order(world: list[dict[str, Any]]) -> None:
-    """Rank 0 finishes A then B, rank 1 B then A: both finishes refused on both ranks, nothing installed (the
-    gradients were mixed, silently); discarded, the next window is exact."""
+    """Rank 0 finishes A then B, rank 1 B then A: both finishes refused on both ranks, naming each rank's
+    accumulator, nothing installed (the gradients were mixed, silently); finished again in one order before
+    discard(), still refused; discarded, the next window is exact."""
     for r in world:
         o = r["orders"]
         for key in ("first", "second"):
             assert o[key] is not None and o[key][0] in ("CollectiveError", "WindowError"), (key, o[key])
             assert "accumulator #" in o[key][1] and "another order" in o[key][1], o[key][1]
+            if o[key][0] == "WindowError":
+                assert "rank 0: accumulator #" in o[key][1] and "; rank 1: accumulator #" in o[key][1], o[key][1]
         assert not o["installed"]
+        assert o["step"] is not None and o["step"][0] == "WindowError", o["step"]  # a step on no gradient refused
+        for again in o["again"]:  # finished again before discard(): still refused
+            assert again is not None and again[0] == "WindowError", again
+            assert "refused an earlier finish() of this window" in again[1], again
         assert o["after"] <= TOL
 
 

@@ -37,10 +37,14 @@ def test_weighted_uneven_counts_give_the_token_mean(plain: list[dict[str, Any]])
 
 
 def test_weighted_with_a_rank_running_nothing(plain: list[dict[str, Any]]) -> None:
-    """Rank 0 runs no microbatch, rank 1 runs 4 (tokens 6, 2, 5, 0): D = 13; rank 0 receives the same mean."""
+    """Rank 0 runs no microbatch, rank 1 runs 4 (tokens 6, 2, 5, 0): D = 13; rank 0 receives the same mean, its
+    ledger weighted with a total weight of 0."""
     for r in plain:
         assert r["zero"]["error"] <= TOL
         assert r["zero"]["ledger"].microbatches_per_rank == (0, 4) and r["zero"]["ledger"].divisor == 13
+    idle = plain[0]["zero"]["ledger"]  # the rank that ran nothing counts as weighted, with a total weight of 0
+    assert (idle.weighting, idle.weight_local, idle.weight_per_rank, idle.weight_global) == ("weighted", 0.0,
+                                                                                              (0.0, 13.0), 13.0)
 
 
 def test_many_buckets_with_lookahead_match_and_count(plain: list[dict[str, Any]]) -> None:
@@ -69,6 +73,24 @@ def test_mixed_weighting_refused_on_every_rank(plain: list[dict[str, Any]]) -> N
     for r in plain:
         kind, msg = r["mixed"]
         assert kind == "WindowError" and "rank 0 weighted" in msg and "rank 1 unweighted" in msg
+        assert ("refused on every rank: ranks counted their microbatches differently (rank 0 weighted; rank 1 "
+                "unweighted)") in msg, msg
+
+
+def test_a_failed_rank_and_mixed_weighting_refused_together_and_until_discard(plain: list[dict[str, Any]]) -> None:
+    """Rank 0 set a .grad by hand and weighted, rank 1 did not weight: both reasons on both ranks (no "here" on the
+    mixed-weighting refusal alone, see above); a step before discard() refused; finish() again refused, rank 1's
+    message naming rank 0 as the one that failed."""
+    for r in plain:
+        kind, msg = r["failed"]["first"]
+        assert kind == "WindowError", (kind, msg)
+        assert ("refused on every rank: ranks counted their microbatches differently (rank 0 weighted; rank 1 "
+                "unweighted); rank 0 had a .grad set by hand") in msg, msg
+        assert r["failed"]["step"] is not None and r["failed"]["step"][0] == "WindowError", r["failed"]["step"]
+        assert r["failed"]["again"] is not None and r["failed"]["again"][0] == "WindowError", r["failed"]["again"]
+    assert "(here: rank(s) [0] failed in the window)" in plain[1]["failed"]["again"][1], plain[1]["failed"]["again"]
+    for r in plain:  # no rank failed by itself: the reasons end the message, before its remedy
+        assert "rank 1 unweighted); call discard() on every rank" in r["mixed"][1], r["mixed"]
 
 
 def test_parameter_unfrozen_after_construction_refused_on_every_rank(plain: list[dict[str, Any]]) -> None:

@@ -92,6 +92,9 @@ def orders() -> dict[str, Any]:
     order = [acc_a, acc_b] if rank == 0 else [acc_b, acc_a]
     out = {"first": w.error_of(order[0].finish), "second": w.error_of(order[1].finish)}
     out["installed"] = any(p.grad is not None for m in (a, b) for p in m.parameters())
+    out["step"] = w.error_of(torch.optim.SGD(a.parameters(), lr=0.1).step)  # the refused window is still open
+    # finished again in the same order on every rank, before discard(): both windows stay refused
+    out["again"] = [w.error_of(acc_a.finish), w.error_of(acc_b.finish)]
     # the same order on every rank afterwards: discard both, and the next window is exact
     acc_a.discard()
     acc_b.discard()

@@ -115,6 +115,7 @@ def plain_world() -> dict[str, Any]:
         }
     out["terms"] = _terms(rank, data)
     out["mixed"] = _mixed(rank, data)
+    out["failed"] = _failed(rank, data)
     out["unfrozen"] = _unfrozen(rank)
     return out
 
@@ -139,6 +140,22 @@ def _mixed(rank: int, data: list[TokenBatch]) -> Any:
     with acc.microbatch(weight=3 if rank == 0 else None):
         token_loss_sum(model, data[rank]).backward()
     return w.error_of(acc.finish)
+
+
+def _failed(rank: int, data: list[TokenBatch]) -> dict[str, Any]:
+    """Rank 0 weighted and with a .grad set by hand after its microbatch, rank 1 unweighted: finish() refused on
+    both ranks for both reasons; the window stays open (a step refused) and refused when finished again."""
+    model = w.TinyMoE()
+    acc = MicrobatchAccumulator(model)
+    with acc.microbatch(weight=3 if rank == 0 else None):
+        token_loss_sum(model, data[rank]).backward()
+    if rank == 0:
+        model.shared.weight.grad = torch.ones_like(model.shared.weight)
+    out = {"first": w.error_of(acc.finish), "step": w.error_of(torch.optim.SGD(model.parameters(), lr=0.1).step),
+           "again": w.error_of(acc.finish)}
+    acc.discard()
+    acc.close()
+    return out
 
 
 def _unfrozen(rank: int) -> Any:
