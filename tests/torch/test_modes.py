@@ -366,3 +366,13 @@ def test_a_plan_in_its_fields_parts_dtypes_and_tensor_ids() -> None:
                 plan.check(ledger)
         else:
             plan.check(ledger)
+
+
+def test_the_reference_takes_a_positive_finite_norm_only() -> None:
+    """modes_reference's seq-mean-token-sum-norm: a norm below 1 is a norm (sum over |S| C), none, 0, a negative or
+    an infinite one is refused as such."""
+    seqs = [ref.Seq([1.0, 3.0], [True, True]), ref.Seq([5.0, 9.0], [True, False])]
+    assert ref.aggregate("seq-mean-token-sum-norm", seqs, norm=0.5) == (1.0 + 3.0 + 5.0) / (2 * 0.5)
+    for bad in (None, 0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(GradaggError, match="needs a declared positive constant norm, got"):
+            ref.aggregate("seq-mean-token-sum-norm", seqs, norm=bad)
