@@ -134,6 +134,12 @@ ERROR_CASES = [
         r"shard ids 1 \(row 0, int\) and 'a' \(row 1, str\) cannot be ordered",
     ),
     (
+        "microbatch that is not a list",
+        lambda: microbatch_mean([[1.0], 2.0]),
+        RowShapeError,
+        r"microbatch 1: expected a list of values, got 2\.0",
+    ),
+    (
         "ragged microbatch",
         lambda: microbatch_mean([[1, 2], [1, 2, 3]]),
         RowShapeError,
@@ -260,7 +266,8 @@ def test_active_counts_never_change_the_mean(rows: list, counts: list) -> None:
         (lambda: owner_sum([["x", 0, 0, 10**400], ["x", 0, 0, 0.5]]),
          r"row 1: adding gradient 0.5 to the total of shard 'x' \(<an int of about 401 digits>\) overflows a float"),
         (lambda: owner_sum([["x", 0, 0, 0.5], ["x", 0, 0, 10**400]]), r"row 1: adding gradient <an int of about 401"),
-        (lambda: owner_sum([["v", 0, 0, [1, 10**400]], ["v", 0, 0, [1, 0.5]]]), r"row 1: adding gradient element 1"),
+        (lambda: owner_sum([["v", 0, 0, [1, 10**400]], ["v", 0, 0, [1, 0.5]]]),
+         r"row 1: adding gradient element 1 0.5 to the total of shard 'v' \(<an int of about 401 digits>\)"),
         (lambda: microbatch_mean([[10**400]]),
          r"parameter 0: the sum <an int of about 401 digits> over M = 1 microbatches is too large for a float"),
         (lambda: microbatch_mean([[10**400], [0.5]]), r"microbatch 1, parameter 0: adding 0.5 to the sum"),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradagg.errors import GradaggError
-from gradagg.integrations._grpo import MODES, check_grpo, grpo_count
+from gradagg.integrations._grpo import MODES, TESTED, check_grpo, grpo_count
 
 GA, MAX_LEN, RANKS, PER_GENERATION, GENERATION_TOKENS = 3, 8, 2, 4, 40.0
 MASK = [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]]  # 3 completions, the second fully masked
@@ -101,3 +101,17 @@ def test_a_generation_batch_counting_nothing_divides_by_one_token() -> None:
 def test_a_microbatch_that_is_not_a_mapping_is_refused() -> None:
     with pytest.raises(GradaggError, match=r"'completion_mask' tensor \(keys: list\)"):
         grpo_count(trainer("grpo"), [torch.ones(2, 3)])
+
+
+def test_check_grpo_reads_the_installed_version_and_a_trainer_without_a_loss_type() -> None:
+    """Without version=, the installed TRL's is read (one of TESTED here: a dapo trainer passes); an object with no
+    loss_type is refused as such, not with an AttributeError."""
+    import trl
+
+    class Bare:
+        loss_type = "dapo"
+
+    assert str(trl.__version__).startswith(TESTED)
+    check_grpo(Bare())
+    with pytest.raises(GradaggError, match=r"cannot make this object exact: loss_type None \(supported: "):
+        check_grpo(object(), version="1.16.3")

@@ -1,4 +1,9 @@
-"""bench/MUTATION.md's tables from mutmut's last run (``make mutate``): ``python -m tests.mutation.report [SECONDS]``.
+"""bench/MUTATION.md's tables from mutmut's last run (``make mutate``).
+
+``python -m tests.mutation.report [SECONDS [NOTE]]``.
+
+NOTE, where given, is a paragraph put under the header: what the run was, where it was not one ``make mutate``
+(e.g. survivors run again with tests written after it).
 
 Reads the results mutmut keeps under ``mutants/`` (one ``.meta`` file per mutated source file) and each surviving
 mutant's diff, through mutmut's own functions (``mutmut==3.8.*``, pinned in requirements-dev.txt: they are not a
@@ -36,7 +41,7 @@ def _diff(name: str, path: str) -> list[str]:
     return [line for line in lines if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
-def report(seconds: float | None) -> str:
+def report(seconds: float | None, note: str | None = None) -> str:
     """The markdown of the last run: a table per module, then every survivor with its diff and reason."""
     from mutmut.configuration import config
 
@@ -63,6 +68,7 @@ def report(seconds: float | None) -> str:
         "`tests/mutation/reasons.toml`: *equivalent* (no test can tell it apart), *one process* (it differs only",
         "with other ranks or another wrapper than this process has), *message* (it changes only a message's text).",
         "",
+        *([note, ""] if note else []),
         "| module | mutants | killed | survived | no tests | timeout | other | killed / (killed + survived) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     total: Counter[str] = Counter()
@@ -89,4 +95,5 @@ def _row(name: str, counts: Counter[str]) -> str:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(report(float(sys.argv[1]) if len(sys.argv) > 1 else None))
+    args = sys.argv[1:]
+    sys.stdout.write(report(float(args[0]) if args else None, args[1] if len(args) > 1 else None))

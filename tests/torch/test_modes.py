@@ -21,7 +21,15 @@ import torch
 from gradagg import modes_reference as ref
 from gradagg.errors import GradaggError
 from gradagg.testing import run_local_world
-from gradagg.torch.modes import Layout, Mode, aggregate, group_token_mean, plan_window, seq_mean_token_sum_norm
+from gradagg.torch.modes import (
+    Layout,
+    Mode,
+    aggregate,
+    group_token_mean,
+    plan_window,
+    seq_mean_token_sum_norm,
+    token_mean,
+)
 from tests.torch.workers import modes as wm
 
 SEEDS = range(12)
@@ -366,3 +374,39 @@ def test_a_plan_in_its_fields_parts_dtypes_and_tensor_ids() -> None:
                 plan.check(ledger)
         else:
             plan.check(ledger)
+
+
+def test_the_reference_takes_a_positive_finite_norm_only() -> None:
+    """modes_reference's seq-mean-token-sum-norm: a norm below 1 is a norm (sum over |S| C), none, 0, a negative or
+    an infinite one is refused as such."""
+    seqs = [ref.Seq([1.0, 3.0], [True, True]), ref.Seq([5.0, 9.0], [True, False])]
+    assert ref.aggregate("seq-mean-token-sum-norm", seqs, norm=0.5) == (1.0 + 3.0 + 5.0) / (2 * 0.5)
+    for bad in (None, 0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(GradaggError, match="needs a declared positive constant norm, got"):
+            ref.aggregate("seq-mean-token-sum-norm", seqs, norm=bad)
+
+
+def test_plan_and_microbatch_go_together_and_a_planned_mask_may_be_0_1() -> None:
+    """aggregate/token_mean with a plan: plan= and microbatch= both or neither; a microbatch one past the plan
+    refused as such; the planned mask given as 0/1 numbers is the same mask; as you go, refusals name the mode;
+    a norm below 1 is a norm."""
+    lay = Layout(torch.tensor([[1, 1, 0]]))
+    plan = plan_window("token-mean", [lay])
+    loss = torch.tensor([[1.0, 2.0, 4.0]])
+    with pytest.raises(GradaggError, match="give plan= and microbatch= together"):
+        aggregate("token-mean", loss, lay.mask, plan=plan)
+    with pytest.raises(GradaggError, match="give plan= and microbatch= together"):
+        aggregate("token-mean", loss, lay.mask, microbatch=0)
+    with pytest.raises(GradaggError, match="give plan= and microbatch= together"):
+        token_mean(loss, lay.mask, microbatch=0)
+    with pytest.raises(GradaggError, match="microbatch 1 is not among this rank's 1"):
+        aggregate("token-mean", loss, lay.mask, plan=plan, microbatch=1)
+    for mask in (lay.mask, lay.mask.bool(), lay.mask.float()):
+        part = aggregate("token-mean", loss, mask, plan=plan, microbatch=0)
+        assert (float(part.loss), int(part.weight)) == (3.0, 2), mask
+    with pytest.raises(GradaggError, match=r"^token-mean: mask\[0, 2\] is 2"):
+        token_mean(loss, torch.tensor([[1, 1, 2]]))
+    with pytest.raises(GradaggError, match="^token-mean: the token loss has shape"):
+        token_mean(torch.ones(1, 2), lay.mask)
+    part = seq_mean_token_sum_norm(loss, lay.mask, norm=0.5)
+    assert (float(part.loss), float(part.weight)) == (3.0, 0.5)

@@ -12,6 +12,7 @@ on every rank, in these words, is tests/torch/test_pipeline.py's.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from fractions import Fraction
@@ -262,3 +263,11 @@ def test_the_divisor_checks_hold_at_the_edges_of_the_dtype() -> None:
         assert divisor_problem(finfo.max, dtype) is None and divisor_problem(finfo.tiny, dtype) is None, dtype
         assert divisor_problem(math.inf, dtype) is not None and divisor_problem(finfo.tiny / 2, dtype) is not None
     assert check_weight(10**400) == math.inf and check_weight(-(10**400)) == -math.inf
+
+
+def test_a_loss_that_cannot_be_back_propagated_is_named_as_it_came() -> None:
+    """record() of a loss with several elements, without a gradient, or not a tensor: the refusal shows what came."""
+    for loss, shown in ((torch.ones(2, requires_grad=True), "shape (2,), requires_grad=True"),
+                        (torch.ones(()), "shape (), requires_grad=False"), (1.5, "float")):
+        with pytest.raises(GradaggError, match=rf"one-element tensor with a gradient, got {re.escape(shown)}$"):
+            Counts().record(loss, 1)  # type: ignore[arg-type]

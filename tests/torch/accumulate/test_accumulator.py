@@ -366,3 +366,16 @@ def test_an_attached_optimizer_steps_after_each_explicit_finish() -> None:
     with pytest.raises(WindowError, match="M = 0"):
         opt.step()  # no window since the last step: it finishes an empty one, refused
     acc.close()
+
+
+def test_a_second_finish_is_told_apart_from_other_old_gradients() -> None:
+    """finish() twice: the refusal says the parameter still holds the gradient the last finish() handed out (not the
+    generic advice about gradients left before a window)."""
+    p = torch.zeros(2, requires_grad=True)
+    acc = MicrobatchAccumulator([("p", p)])
+    with acc.microbatch():
+        p.sum().backward()
+    acc.finish()
+    with pytest.raises(WindowError, match=r"'p' still holds the gradient the last finish\(\) handed out"):
+        acc.finish()
+    acc.close()

@@ -219,6 +219,7 @@ def test_two_accumulators_finished_in_another_order(world: list[dict[str, Any]])
         for again in o["again"]:  # finished again before discard(): still refused
             assert again is not None and again[0] == "WindowError", again
             assert "refused an earlier finish() of this window" in again[1], again
+            assert "(here: the ranks finished different accumulators in one collective)" in again[1], again
         assert o["after"] <= TOL
 
 
