@@ -40,3 +40,12 @@ def test_the_buffers_matter() -> None:
     diffs = [max(float((a["grads"][n] - b["grads"][n]).abs().max()) for n in a["grads"])
              for a, b in zip(want[1:], unsynced[1:])]
     assert min(diffs) > 1e-3, diffs
+
+
+def test_a_buffer_ddp_ignores_stays_each_ranks_own() -> None:
+    """A buffer in DDP's parameters_to_ignore is not broadcast by finish() (DDP would not): each rank keeps its own,
+    the ranks' differ; the other buffers are rank 0's on every rank."""
+    results = run_local_world(wb.ignored_buffer_world, 2, **WORLD)
+    assert [r["own"] for r in results] == [True, True], results
+    assert not torch.equal(results[0]["shift"], results[1]["shift"])
+    assert torch.equal(results[0]["running_mean"], results[1]["running_mean"])

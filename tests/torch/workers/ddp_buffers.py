@@ -119,3 +119,24 @@ def broadcast_world(windows: list[list[int]]) -> dict[str, Any]:
     during = ddp.forward_sync_buffers
     acc.close()
     return {"errors": errors, "buffers_equal": buffers_equal, "sync": [before, during, ddp.forward_sync_buffers]}
+
+
+def ignored_buffer_world() -> dict[str, Any]:
+    """``shift`` in DDP's parameters_to_ignore: DDP never syncs it, so neither does finish(); each rank's ``shift``
+    stays its own running mean (one microbatch: half its batch's mean), while the BatchNorm statistics are rank 0's.
+    """
+    rank = dist.get_rank()
+    module = Drifting()
+    # the only way to fill DDP's parameters_to_ignore (a private name; see tests/torch/workers/ddp_trust.py)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["shift"])
+    ddp = nn.parallel.DistributedDataParallel(module)
+    acc = MicrobatchAccumulator(ddp)
+    batch = batches(0, rank, 1)[0]
+    with acc.microbatch():
+        loss_of(ddp, batch).backward()
+    acc.finish()
+    own = 0.5 * batch[0].mean(0)
+    out = {"own": torch.equal(module.shift, own), "shift": module.shift.clone(),
+           "running_mean": module.norm.running_mean.clone()}
+    acc.close()
+    return out
