@@ -140,3 +140,13 @@ def test_cu_seqlens_as_a_list_a_float_or_a_2d_tensor_and_their_refusals() -> Non
     for loss, got in ((torch.ones(5, dtype=torch.long), "torch.int64 tensor"), ([1.0] * 5, "list")):
         with pytest.raises(GradaggError, match=f"^here: the token loss must be a floating-point tensor, got {got}$"):
             check_loss(loss, seg, "here")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3)])
+def test_a_microbatch_with_no_tokens_has_no_sequence(shape: tuple[int, ...]) -> None:
+    """An empty mask (no tokens) holds no sequence, whatever its shape (a (T,) mask of 0 tokens raised IndexError,
+    a (B, 0) one a RuntimeError); with position_ids of its shape too."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for kw in ({}, {"position_ids": torch.zeros(shape, dtype=torch.long)}):
+        seg = segments(mask, **kw)
+        assert seg.count == 0 and seg.tokens.numel() == 0 and seg.index.numel() == 0, (shape, kw, seg)

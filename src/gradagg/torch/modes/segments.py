@@ -76,7 +76,7 @@ def segments(
         raise GradaggError(f"{where}: the mask has shape {tuple(valid.shape)}; expected (T,) or (B, T)")
     if position_ids is not None and cu_seqlens is not None:
         raise GradaggError(f"{where}: give position_ids or cu_seqlens, not both")
-    rows = valid.reshape(-1, valid.shape[-1]) if valid.dim() == 2 else valid.reshape(1, -1)
+    rows = valid if valid.dim() == 2 else valid.reshape(1, -1)
     if cu_seqlens is not None:
         index, count = _from_offsets(cu_seqlens, valid.numel(), where)
     else:
@@ -87,7 +87,8 @@ def segments(
                     f"{where}: position_ids has shape {tuple(position_ids.shape)}, the mask {tuple(valid.shape)}"
                 )
             starts = position_ids.reshape(rows.shape) == 0
-        starts[:, 0] = True
+        if rows.shape[1]:  # (a row of no tokens starts no sequence)
+            starts[:, 0] = True
         flat = starts.reshape(-1).long()
         index, count = flat.cumsum(0) - 1, int(flat.sum())
     flat_mask = valid.reshape(-1)
