@@ -1,22 +1,97 @@
-"""FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) is not supported yet: refused at construction on every
-rank, naming FSDP1 and what works (FSDP2's ``fully_shard``), not with a confusing comparison of its flat shards.
-2 gloo ranks, FSDP1 on the CPU (``device_id=cpu``); workers in ``tests.torch.workers.fsdp1``."""
+"""FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) under the accumulator (:mod:`.wrappers.fsdp1`).
+
+2 gloo ranks, FSDP1 on the CPU (``device_id=cpu``), float64 models against the one-process float64 full batch;
+workers in ``tests.torch.workers.fsdp1``. Before: every FSDP1 model was refused at construction (and earlier still,
+use_orig_params=True met a misleading comparison of its per-rank pieces, use_orig_params=False was accepted and
+averaged by FSDP1 every microbatch).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+import torch
 
 from gradagg.testing import run_local_world
 from tests.torch.workers import fsdp1
 
-WORLD: dict[str, Any] = {"collective_timeout_s": 5.0, "timeout_s": 120.0}
+WORLD: dict[str, Any] = {"collective_timeout_s": 10.0, "timeout_s": 180.0}
+# float64 throughout: the sums of a few microbatches in another order than the full batch's one matmul
+EXACT = 1e-12
 
 
-@pytest.mark.parametrize("how", ["orig_params", "flat_params", "nested", "inner", "named"])
-def test_fsdp1_is_refused_on_every_rank_naming_it(how: str) -> None:
-    """Before: a CollectiveError comparing the ranks' flat shards (use_orig_params=True), or accepted silently
-    (use_orig_params=False: its FlatParameter taken as one parameter, averaged by FSDP every microbatch)."""
-    for said in run_local_world(fsdp1.fsdp1_world, 2, how, **WORLD):
-        assert said.startswith("GradaggError: ") and "FSDP1" in said and "fully_shard" in said, said
+@pytest.fixture(scope="module")
+def exact() -> list[dict[tuple[Any, ...], Any]]:
+    return run_local_world(fsdp1.exact_world, 2, **WORLD)
+
+
+@pytest.mark.parametrize("config", fsdp1.CONFIGS, ids=[" ".join(map(str, c)) for c in fsdp1.CONFIGS])
+def test_fsdp1_windows_are_the_token_mean_of_the_full_batch(
+    exact: list[dict[tuple[Any, ...], Any]], config: tuple[str, bool, str]
+) -> None:
+    """FULL_SHARD and SHARD_GRAD_OP, use_orig_params True and False, one unit or nested ones: uneven counts with
+    look-ahead (3/5), a rank with none (0/4 with bare microbatch() calls: it pads in finish()), a short last
+    window (2/0), even ones; each the float64 token mean of exactly its microbatches, D the window's tokens."""
+    for rank in exact:
+        for counts, _look in fsdp1.WINDOWS:
+            got = rank[(*config, str(counts))]
+            assert got["error"] <= EXACT, (config, counts, got)
+            assert got["divisor"] == _tokens(counts), (config, counts, got)
+    assert exact[0][(*config, "[3, 5]")]["padded"] == 2  # rank 0 ran out after 3: two padding rounds
+
+
+def _tokens(counts: list[int]) -> float:
+    """The valid tokens of the window's microbatches (the windows take the global microbatches in turn)."""
+    from tests.torch.workers import train as tw
+
+    start = 0
+    for c, _ in fsdp1.WINDOWS:
+        if c == counts:
+            break
+        start += sum(c)
+    return float(sum(tw.VALID[k % len(tw.VALID)] for k in range(start, start + sum(counts))))
+
+
+@pytest.mark.parametrize("config", fsdp1.CONFIGS, ids=[" ".join(map(str, c)) for c in fsdp1.CONFIGS])
+def test_after_close_fsdp1_averages_again(
+    exact: list[dict[tuple[Any, ...], Any]], config: tuple[str, bool, str]
+) -> None:
+    """FSDP1 cannot remove a communication hook: once the accumulator is closed, gradagg's averages over the
+    ranks, as FSDP1's own does (float64: one division by the world in another place than FSDP1's)."""
+    assert exact[0][(*config, "after close")] <= EXACT
+
+
+def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_not() -> None:
+    """MixedPrecision(param_dtype=bf16) on float32 parameters, reduced in float32 or in bf16, counts 3/5: within
+    2 eps(bf16) of the float64 full batch, relative to the largest entry (the forward and backward run in bf16,
+    each microbatch's weight gradient rounded once to bf16, <= eps/2 relative; the window's sum in float32).
+    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging each reduce; even counts, as it needs) is off by
+    far more: a mean of microbatch means, not the token mean."""
+    tol = 2 * torch.finfo(torch.bfloat16).eps
+    for rank in run_local_world(fsdp1.mixed_precision_world, 2, **WORLD):
+        assert rank["torch.float32"] <= tol, rank
+        assert rank["torch.bfloat16"] <= tol, rank
+        assert rank["fsdp1 own"] > 10 * tol, rank
+
+
+REFUSALS = {
+    "window": "fsdp='window' is not built for FSDP1",
+    "terms": "terms= under FSDP1",
+    "no shard": "uses NO_SHARD",
+    "hybrid": "uses HYBRID_SHARD",
+    "bf16": "is torch.bfloat16: FSDP1 sums the window's microbatches into .grad",
+    "own hook": "FSDP1 refused gradagg's communication hook",
+    "named": "belongs to an FSDP1 unit: pass the FSDP1 module itself",
+}
+
+
+@pytest.mark.parametrize("how", list(REFUSALS))
+def test_what_fsdp1_cannot_do_exactly_is_refused_on_every_rank_naming_what_works(how: str) -> None:
+    """At construction, one GradaggError on every rank, naming the setting and what works instead."""
+    for said in run_local_world(fsdp1.refusal_world, 2, how, **WORLD):
+        assert said.startswith("GradaggError: ") and REFUSALS[how] in said, said
+
+
+def test_a_plain_fsdp1_model_is_accepted() -> None:
+    assert run_local_world(fsdp1.refusal_world, 2, "accepted", **WORLD) == ["accepted", "accepted"]

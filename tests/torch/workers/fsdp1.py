@@ -1,40 +1,186 @@
-"""Rank workers: FSDP1 (``FullyShardedDataParallel``) given to the accumulator (importable by the ranks)."""
+"""Rank workers: FSDP1 (``FullyShardedDataParallel``) under the accumulator (importable by the ranks).
+
+The model is float64 (FSDP1 keeps the parameters' dtype), so that the one-process full batch is a float64 truth;
+its gradient is read back through an SGD step of rate 1 (``before - after``, exact in float64) and
+``FSDP.summon_full_params``, which works for ``use_orig_params`` True and False alike.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradagg.torch import MicrobatchAccumulator
+from tests.torch.workers import train as tw
+
+Grads = dict[str, torch.Tensor]
+PREFIX = "_fsdp_wrapped_module."
+# (sharding strategy, use_orig_params, wrapping): wrapping "root" is one unit, "nested" one unit per Linear too
+CONFIGS = [
+    ("FULL_SHARD", True, "root"),
+    ("FULL_SHARD", False, "root"),
+    ("FULL_SHARD", True, "nested"),
+    ("FULL_SHARD", False, "nested"),
+    ("SHARD_GRAD_OP", True, "nested"),
+    ("SHARD_GRAD_OP", False, "root"),
+]
+# counts per rank of each window (its microbatches are the next global ones), and whether microbatches() looks ahead
+WINDOWS = [([3, 5], True), ([0, 4], False), ([2, 0], True), ([1, 1], False)]
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+def _model(dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank and in the truth
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).to(dtype)
 
 
-def fsdp1_world(how: str) -> str:
-    """What ``MicrobatchAccumulator`` says of an FSDP1 model built ``how``: the error's type and text."""
+def loss_sum(model: nn.Module, batch: tw.TokenBatch, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Sum over the valid tokens of the squared error (the unscaled loss a weighted microbatch backpropagates)."""
+    x, y, _, mask = batch
+    return ((model(x.to(dtype)).double() - y)[mask] ** 2).sum()
+
+
+def truth(batches: list[tw.TokenBatch]) -> Grads:
+    """The one-process full batch in float64: the gradient of the mean over every valid token."""
+    model = _model()
+    x, y, mask = (torch.cat([b[i] for b in batches]) for i in (0, 1, 3))
+    ((model(x) - y)[mask] ** 2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def wrap(strategy: str, orig: bool, wrapping: str, **kw: Any) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    cpu = torch.device("cpu")
-    if how == "orig_params":
-        model: nn.Module = FSDP(_model(), use_orig_params=True, device_id=cpu)
-    elif how == "flat_params":
-        model = FSDP(_model(), use_orig_params=False, device_id=cpu)
-    elif how == "nested":
-        model = FSDP(_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True, device_id=cpu)
-    elif how == "inner":  # an FSDP1 unit inside a plain module
-        outer = _model()
-        outer[0] = FSDP(outer[0], use_orig_params=True, device_id=cpu)
-        model = outer
-    elif how == "named":  # its (name, parameter) pairs: the names say FSDP1
-        model = FSDP(_model(), use_orig_params=True, device_id=cpu)
+    policy = ModuleWrapPolicy({nn.Linear}) if wrapping == "nested" else None
+    model = kw.pop("model", None)
+    return FSDP(_model() if model is None else model, sharding_strategy=ShardingStrategy[strategy],
+                use_orig_params=orig, device_id=torch.device("cpu"), auto_wrap_policy=policy, **kw)
+
+
+def full_params(model: nn.Module) -> Grads:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model):
+        return {n.replace(PREFIX, ""): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def stepped_grads(model: nn.Module) -> Grads:
+    """The full gradient the optimizer sees: an SGD step of rate 1 on the shards, read back whole."""
+    before = full_params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.step()
+    after = full_params(model)
+    with torch.no_grad():  # undo the step: the next window starts from the same weights as the truth's model
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad)
+    model.zero_grad()
+    return {n: before[n] - after[n] for n in before}
+
+
+def error(got: Grads, want: Grads) -> float:
+    """The largest error relative to the largest entry, parameter by parameter (NaN counts as infinite)."""
+    return max(float((got[n] - want[n]).nan_to_num(nan=float("inf")).abs().max() / want[n].abs().max()) for n in want)
+
+
+def exact_world() -> dict[str, Any]:
+    """Every configuration x every window: the relative error of the stepped gradient against the truth, the
+    ledger's divisor and padding, and the local gradients' dtype."""
+    rank, out = dist.get_rank(), {}
+    data = tw.token_batches(40)
+    for config in CONFIGS:
+        model = wrap(*config)
+        acc = MicrobatchAccumulator(model)
+        start = 0
+        for counts, look in WINDOWS:
+            window = data[start : start + sum(counts)]
+            start += sum(counts)
+            mine = tw.share(window, counts, rank)
+            for batch in acc.microbatches(mine) if look else mine:
+                with acc.microbatch(weight=int(batch[3].sum())):
+                    loss_sum(model, batch).backward()
+            ledger = acc.finish()
+            out[(*config, str(counts))] = {
+                "error": error(stepped_grads(model), truth(window)),
+                "divisor": ledger.divisor,
+                "padded": acc.state.padded_last,
+            }
+        acc.close()
+        out[(*config, "after close")] = _after_close(model, data[:2], rank)
+    return out
+
+
+def _after_close(model: nn.Module, batches: list[tw.TokenBatch], rank: int) -> float:
+    """Once the accumulator is closed, FSDP1's own average is back: one microbatch per rank, per-rank sum losses,
+    give the mean over the ranks of the sums (error against it)."""
+    loss_sum(model, batches[rank]).backward()
+    got = stepped_grads(model)
+    sums = [truth([b]) for b in batches]
+    tokens = [int(b[3].sum()) for b in batches]
+    want = {n: sum(s[n] * t for s, t in zip(sums, tokens)) / len(batches) for n in sums[0]}  # type: ignore[misc]
+    return error(got, want)
+
+
+def mixed_precision_world() -> dict[str, Any]:
+    """FSDP1's MixedPrecision (bf16 compute, float32 parameters; reduce in float32, or in bf16): gradagg against
+    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging every reduce), both against float64."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    rank, out = dist.get_rank(), {}
+    data = tw.token_batches(10)
+    counts = [3, 5]
+    mine = tw.share(data, counts, rank)
+    want = truth(data[:8])
+    for reduce in (torch.float32, torch.bfloat16):
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        model = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32), mixed_precision=policy)
+        acc = MicrobatchAccumulator(model)
+        for batch in acc.microbatches(mine):
+            with acc.microbatch(weight=int(batch[3].sum())):
+                loss_sum(model, batch, torch.float32).backward()
+        acc.finish()
+        got = {n: g.double() for n, g in stepped_grads(model).items()}
+        out[str(reduce)] = error(got, want)
+        acc.close()
+    own = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32),
+               mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    same = tw.share(data[4:10], [3, 3], rank)  # FSDP1's own accumulation needs the same count on every rank
+    for x, y, _, mask in same:  # its recipe: a mean loss per microbatch over M, FSDP1 averaging over the ranks
+        (((own(x.float()).double() - y)[mask] ** 2).mean() / 3).backward()
+    out["fsdp1 own"] = error({n: g.double() for n, g in stepped_grads(own).items()}, truth(data[4:10]))
+    return out
+
+
+def refusal_world(how: str) -> str:
+    """What ``MicrobatchAccumulator`` says of an FSDP1 model built ``how``: the error's type and text."""
+
+    kwargs: dict[str, Any] = {}
+    if how == "window":
+        kwargs["fsdp"] = "window"
+    elif how == "terms":
+        kwargs["terms"] = ["a", "b"]
+    if how == "no shard":
+        model = wrap("NO_SHARD", True, "root")
+    elif how == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = wrap("HYBRID_SHARD", True, "root", device_mesh=init_device_mesh("cpu", (1, 2)))
+    elif how == "bf16":
+        model = wrap("FULL_SHARD", True, "root", model=_model(torch.bfloat16))
+    elif how == "own hook":
+        model = wrap("FULL_SHARD", True, "root")
+        model.register_comm_hook(None, lambda _s, grad, out: dist.reduce_scatter_tensor(out, grad))
     else:
-        raise ValueError(how)
+        model = wrap("FULL_SHARD", True, "root")
     try:
-        MicrobatchAccumulator(list(model.named_parameters()) if how == "named" else model)
+        MicrobatchAccumulator(list(model.named_parameters()) if how == "named" else model, **kwargs)
     except Exception as exc:  # the refusal under test
         return f"{type(exc).__name__}: {exc}"
     return "accepted"
+
+
+__all__ = ["CONFIGS", "WINDOWS", "exact_world", "mixed_precision_world", "refusal_world"]

@@ -47,18 +47,22 @@ def user_site() -> str:
     return "?"
 
 
-def identify(names: Sequence[str], tensors: Sequence[torch.Tensor], ranks: Sequence[int]) -> tuple[int, int]:
+def identify(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], ranks: Sequence[int], shapes: Sequence[str] | None = None
+) -> tuple[int, int]:
     """``(serial, fingerprint)`` of a new accumulator (see the module docstring); counts it.
 
-    The group's ranks are part of the fingerprint, so that the serial counts the accumulators built over that
-    group alone: a rank that also builds accumulators over another group (DDP on subgroups) keeps the same
-    serials as the other members of each group.
+    ``shapes`` (the parameters' shapes as the ranks compare them, :meth:`.params.Params.shape_text`) stand for the
+    tensors' own where those differ per rank (FSDP1's pieces). The group's ranks are part of the fingerprint, so
+    that the serial counts the accumulators built over that group alone: a rank that also builds accumulators over
+    another group (DDP on subgroups) keeps the same serials as the other members of each group.
 
     >>> a = identify(["w"], [torch.zeros(2)], (0,)); b = identify(["w"], [torch.zeros(2)], (0,))
     >>> b[0] - a[0], a[1] == b[1]
     (1, True)
     """
-    text = repr([(n, tuple(t.shape), str(t.dtype)) for n, t in zip(names, tensors)] + [tuple(ranks)])
+    shown = shapes if shapes is not None else [str(tuple(t.shape)) for t in tensors]  # FSDP1: the same on each rank
+    text = repr([(n, s, str(t.dtype)) for n, s, t in zip(names, shown, tensors)] + [tuple(ranks)])
     fingerprint = zlib.crc32(text.encode())
     serial = _serials.get(fingerprint, 0)
     _serials[fingerprint] = serial + 1

@@ -80,7 +80,7 @@ def check_layout(state: State) -> None:
     entries: list[tuple[object, str]] = []
     for i, (n, t) in enumerate(zip(state.names, state.tensors)):
         values = f", values {fingerprint(t)}" if i in unnamed else ""
-        entries.append((n, f"(shape={tuple(t.shape)}, dtype={dtype_name(t.dtype)}{values})"))
+        entries.append((n, f"(shape={state.params.shape_text(i)}, dtype={dtype_name(t.dtype)}{values})"))
     what = "accumulated parameters"
     if state.terms:  # the loss terms' sums are divided in this order on every rank
         entries.append(("loss terms (terms=)", repr(state.terms)))

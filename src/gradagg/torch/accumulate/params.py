@@ -28,6 +28,7 @@ class Params:
         unnamed: indices of the parameters given as bare tensors (named ``param[k]`` by their position).
         local: trainable parameters in DDP's ``parameters_to_ignore``: DDP keeps them rank-local, so they are not
             accumulated (see :mod:`.wrappers.ddp`).
+        fsdp1: the outermost FSDP1 units of the module (see :mod:`.wrappers.fsdp1`); empty without FSDP1.
     """
 
     names: list[str]
@@ -37,6 +38,7 @@ class Params:
     frozen: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     unnamed: set[int] = field(default_factory=set)
     local: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    fsdp1: list[torch.nn.Module] = field(default_factory=list)
 
     @classmethod
     def collect(cls, source: ParamSource) -> Params:
@@ -47,10 +49,9 @@ class Params:
         """
         ddp = source if isinstance(source, DistributedDataParallel) else None
         module = ddp.module if ddp is not None else (source if isinstance(source, torch.nn.Module) else None)
-        if module is not None:
-            _refuse_fsdp1(module)
         items: Iterable[object] = module.named_parameters() if module is not None else source  # type: ignore[assignment]
         out = cls([], [], module, ddp)
+        out.fsdp1 = fsdp1_roots(module) if module is not None else []
         ignored: set[str] = set(getattr(ddp, "parameters_to_ignore", ()))  # DDP's own: rank-local, never reduced
         seen: set[int] = set()
         for k, item in enumerate(items):
@@ -60,8 +61,9 @@ class Params:
                 raise GradaggError(f"expected a module, tensors or (name, tensor) pairs; item {k} is {kind}")
             if id(t) in seen:
                 continue
-            if FSDP1_PREFIX in name.split("."):
-                raise GradaggError(_fsdp1_text(f"parameter {name!r} belongs to an FSDP1 unit"))
+            if module is None and FSDP1_PREFIX in name.split("."):
+                raise GradaggError(f"parameter {name!r} belongs to an FSDP1 unit: pass the FSDP1 module itself "
+                                   "(FullyShardedDataParallel), not its parameters: gradagg reduces through its hook")
             seen.add(id(t))
             if t.requires_grad and name in ignored:
                 out.local.append((name, t))
@@ -73,6 +75,10 @@ class Params:
             else:
                 out.frozen.append((name, t))
         return out
+
+    def shape_text(self, i: int) -> str:
+        """Parameter ``i``'s shape as the ranks compare it: FSDP1's pieces differ per rank, so they are not compared."""
+        return "FSDP1 piece" if self.fsdp1 else str(tuple(self.tensors[i].shape))
 
     @property
     def sharded(self) -> list[int]:
@@ -105,29 +111,32 @@ class Params:
 FSDP1_PREFIX = "_fsdp_wrapped_module"  # the attribute FSDP1 holds its module under (in every parameter's name)
 
 
-def _refuse_fsdp1(module: torch.nn.Module) -> None:
-    """FSDP1 is not supported yet: refused by name (every rank builds the same model, so every rank refuses).
+def fsdp1_class() -> type[torch.nn.Module] | None:
+    """FSDP1's class where the user imported it (None otherwise: then no module of it can exist).
 
-    Its parameters are flat shards (or views of them) whose sizes differ per rank, and its reduce-scatter averages
-    every microbatch: nothing gradagg's wrappers know. The class is looked up only where the user imported it.
+    >>> fsdp1_class() is None or fsdp1_class().__name__ == "FullyShardedDataParallel"
+    True
     """
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
-    if fsdp1 is None:
-        return
-    for name, m in module.named_modules():
-        if isinstance(m, fsdp1):
-            where = "the module given is FSDP1's FullyShardedDataParallel" if not name else (
-                f"submodule {name!r} is FSDP1's FullyShardedDataParallel")
-            raise GradaggError(_fsdp1_text(where))
+    return getattr(fsdp, "FullyShardedDataParallel", None)
 
 
-def _fsdp1_text(where: str) -> str:
-    return (
-        f"{where}: FSDP1 is not supported yet; use FSDP2's fully_shard (torch.distributed.fsdp.fully_shard; "
-        "Accelerate's FSDP plugin with fsdp_version=2, HF Trainer with fsdp_config={'fsdp_version': 2}, Lightning's "
-        "ModelParallelStrategy), which gradagg keeps exact"
-    )
+def fsdp1_roots(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost FSDP1 units in ``module`` (``module`` itself if it is one); empty without FSDP1.
+
+    >>> fsdp1_roots(torch.nn.Linear(1, 1))
+    []
+    """
+    cls = fsdp1_class()
+    if cls is None:
+        return []
+    units = [name for name, m in module.named_modules() if isinstance(m, cls)]
+
+    def inside(name: str, other: str) -> bool:
+        return other != name and (other == "" or name.startswith(other + "."))
+
+    outer = {name for name in units if not any(inside(name, other) for other in units)}
+    return [m for name, m in module.named_modules() if name in outer]
 
 
 def _pair(item: object) -> tuple[str, object]:

@@ -165,7 +165,8 @@ def build(
     state = State(params, choice.group, nonfinite, float(bucket_mb), choice.make(), Window(len(params.tensors)))
     state.world, state.rank, state.device = get_world_size(state.group), get_rank(state.group), device_for(state.group)
     state.span, state.site = choice.span, site
-    state.identity = lifetime.identify(params.names, params.tensors, lifetime.group_ranks(state.group))
+    shapes = [params.shape_text(i) for i in range(len(params.tensors))]
+    state.identity = lifetime.identify(params.names, params.tensors, lifetime.group_ranks(state.group), shapes)
     return state
 
 

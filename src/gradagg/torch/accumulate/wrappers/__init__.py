@@ -4,6 +4,8 @@
 * :mod:`.ddp`: ``DistributedDataParallel``, held in ``no_sync()``;
 * :mod:`.fsdp`: FSDP2's modules and shards (shared by both forms); :mod:`.fsdp_window`: ``fsdp="window"``;
   :mod:`.fsdp_shards`: ``fsdp="shards"``, with its rounds and padding (:mod:`.padding`, :mod:`.pad_run`);
+* :mod:`.fsdp1`: FSDP1's ``FullyShardedDataParallel``, reduced through its communication hook, with the rounds and
+  padding of :mod:`.padding`;
 * :mod:`.deepspeed`: a DeepSpeed ZeRO engine, which reduces every gradient itself (chosen by
   :class:`gradagg.integrations.deepspeed.DeepSpeedAccumulator`, not by :func:`chooser`: only the engine tells).
 
@@ -21,6 +23,7 @@ from gradagg.torch.accumulate.ledger import Span
 from gradagg.torch.accumulate.meshes import check_fsdp_mesh
 from gradagg.torch.accumulate.params import Params
 from gradagg.torch.accumulate.seam import Choice, Choose, Wrapper
+from gradagg.torch.accumulate.wrappers import fsdp1
 from gradagg.torch.accumulate.wrappers.ddp import Ddp, DdpHold, ddp_group
 from gradagg.torch.accumulate.wrappers.fsdp import FsdpParams, Mode, check_mode
 from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
@@ -50,6 +53,8 @@ def chooser(fsdp: Mode, pad: Pad) -> Choose:
             group = ddp_group(ddp, group)  # DDP's own group, or a refusal of another one
             span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
             return Choice(group, span, lambda: Ddp(DdpHold(ddp, group, local)))
+        if params.fsdp1:
+            return _fsdp1(params, mode, pad, group, span)
         if not params.sharded:
             return Choice(group, span, Plain)
         return _fsdp(params, mode, pad, group, span)
@@ -76,6 +81,23 @@ def _fsdp(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Choi
         return FsdpShards(side, frozenset(sharded), pad, group)
 
     return Choice(group, replace(span, reduced_over=tuple(dims)), make)
+
+
+def _fsdp1(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Choice:
+    """FSDP1's wrapper, over FSDP1's own process group (a ``group=`` of other ranks is refused)."""
+    roots = params.fsdp1
+    own = getattr(roots[0], "process_group", None)
+    if own is not None and group is None:
+        group = own
+    elif own is not None and lifetime.group_ranks(own) != lifetime.group_ranks(group):
+        raise GradaggError(f"FSDP1 shards over ranks {list(lifetime.group_ranks(own))} but the accumulator was given "
+                           f"group ranks {list(lifetime.group_ranks(group))}: pass group=None (FSDP1's own group)")
+    module = params.module
+    why = None if module is None else fsdp1.refusal(module, mode, get_world_size(group))
+    if why is not None:
+        raise GradaggError(why)
+    span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
+    return Choice(group, span, lambda: fsdp1.Fsdp1Shards(roots, len(params.tensors), pad, group))
 
 
 __all__ = ["Choice", "Choose", "chooser"]

@@ -21,17 +21,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from gradagg.errors import CollectiveError, GradaggError, first_line
+from gradagg.torch.accumulate.params import fsdp1_class
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.placements import is_dtensor
 
 if TYPE_CHECKING:
-    from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
+    from gradagg.torch.accumulate.wrappers.padding import Pad, Round
+
+
+class Sides(Protocol):
+    def set_all_reduce(self, now: bool) -> None:
+        """HSDP: whether the next backward all-reduces over the replicas (a no-op without replicas)."""
+
+
+class Padder(Protocol):
+    """A shards form that pads (FSDP2's :class:`~.fsdp_shards.FsdpShards`, FSDP1's :class:`~.fsdp1.Fsdp1Shards`):
+    the state :mod:`.padding` and this module read and write (see ``FsdpShards``'s attributes)."""
+
+    @property
+    def side(self) -> Sides:
+        """Where HSDP's all-reduce over the replicas is switched (see :func:`.padding.pad_once`)."""
+
+    rounds: bool
+    pad: Pad
+    padding: bool
+    kept: tuple[tuple[Any, ...], dict[str, Any]] | None
+    failure: str | None
+    agreed: Round | None
+    done: bool
+    padded: int
 
 
 class Watch:
@@ -71,7 +95,7 @@ class Watch:
             h.remove()
 
 
-def run(state: State, sh: FsdpShards, running: list[int]) -> str | None:
+def run(state: State, sh: Padder, running: list[int]) -> str | None:
     """Run one padding forward and backward; None, or what went wrong (the round completed with a stand-in).
 
     Raises:
@@ -95,7 +119,7 @@ def run(state: State, sh: FsdpShards, running: list[int]) -> str | None:
 
 
 def _stand_in(
-    state: State, sh: FsdpShards, watch: Watch, exc: Exception, running: list[int], failure: str
+    state: State, sh: Padder, watch: Watch, exc: Exception, running: list[int], failure: str
 ) -> torch.Tensor:
     if backend_error(exc):
         raise _peer_failed(state, exc, running) from exc
@@ -199,9 +223,12 @@ def attributes_kept(module: torch.nn.Module | None) -> Iterator[None]:
         yield
         return
     torch_own = frozenset(vars(torch.nn.Module()))
+    fsdp1 = fsdp1_class()
     saved = []
     for mod in module.modules():
-        own = {k: v for k, v in vars(mod).items() if k not in torch_own}
+        if fsdp1 is not None and isinstance(mod, fsdp1):
+            continue  # FSDP1's own bookkeeping, not the model's state: FSDP1 moves it on in every forward
+        own = {k: v for k, v in vars(mod).items() if k not in torch_own and not _fsdp1_view(v)}
         saved.append((mod, own, {k: _contents(v) for k, v in own.items()}))
     try:
         yield
@@ -213,6 +240,13 @@ def attributes_kept(module: torch.nn.Module | None) -> Iterator[None]:
             for name, value in own.items():
                 attrs[name] = value
                 _put_back(value, contents[name])
+
+
+def _fsdp1_view(value: object) -> bool:
+    """A view of a parameter kept as a plain attribute: FSDP1's original parameters (``use_orig_params=False``),
+    rebound by FSDP1 to its unsharded flat parameter at every forward, their storage freed between (a copy of one
+    would read freed memory)."""
+    return isinstance(value, torch.Tensor) and isinstance(value._base, torch.nn.Parameter)
 
 
 def _contents(value: object) -> object:
@@ -274,7 +308,7 @@ def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
                     delattr(mod, name)
 
 
-def replay(state: State, sh: FsdpShards) -> torch.Tensor:
+def replay(state: State, sh: Padder) -> torch.Tensor:
     """``pad="replay"``: the root module's last forward inputs run again, the output's floating tensors summed."""
     module = state.params.module
     if sh.kept is None or module is None:

@@ -51,7 +51,7 @@ from gradagg.torch.accumulate.wrappers import pad_run
 from gradagg.torch.collectives import all_gather_object, all_reduce_sum
 
 if TYPE_CHECKING:
-    from gradagg.torch.accumulate.wrappers.fsdp_shards import FsdpShards
+    from gradagg.torch.accumulate.wrappers.pad_run import Padder
 
 T = TypeVar("T")
 _END = object()  # an exhausted iterator's marker (None may be an item)
@@ -85,7 +85,7 @@ class Round:
         return len(self.running) == self.world
 
 
-def agree(state: State, sh: FsdpShards, now: bool, after: bool | None) -> Round:
+def agree(state: State, sh: Padder, now: bool, after: bool | None) -> Round:
     """One round's all_reduce: which ranks run a microbatch now, which have one after, who needs inputs.
 
     Args:
@@ -120,12 +120,12 @@ def agree(state: State, sh: FsdpShards, now: bool, after: bool | None) -> Round:
     return Round(running, not any(got[1]), not any(got[4]), source, world)
 
 
-def _drop(state: State, sh: FsdpShards) -> None:
+def _drop(state: State, sh: Padder) -> None:
     finish.discard(state)
     sh.failure = None
 
 
-def _raise_failures(state: State, sh: FsdpShards) -> None:
+def _raise_failures(state: State, sh: Padder) -> None:
     """A padding microbatch failed on some rank in the last round (which it completed with a stand-in): every
     rank gathers what went wrong, drops the window and raises the same error."""
     told = [t for t in all_gather_object(sh.failure, state.group) if t is not None]
@@ -134,7 +134,7 @@ def _raise_failures(state: State, sh: FsdpShards) -> None:
                        "the window was dropped on every rank")
 
 
-def share_inputs(state: State, sh: FsdpShards, rnd: Round) -> None:
+def share_inputs(state: State, sh: Padder, rnd: Round) -> None:
     """The round's exchange of forward inputs, for a rank that has none to replay (every rank calls it once).
 
     An ``all_gather_object`` in which only the source sends its inputs, pickled here first (the others send
@@ -165,7 +165,7 @@ def _packed(kept: object) -> bytes | str:
         return f"{type(exc).__name__}: {first_line(exc)}"
 
 
-def pad_once(state: State, sh: FsdpShards, rnd: Round) -> None:
+def pad_once(state: State, sh: Padder, rnd: Round) -> None:
     """Run one padding microbatch: its FSDP collectives pair with the others'; its gradients are dropped."""
     share_inputs(state, sh, rnd)
     sh.side.set_all_reduce(rnd.last or not rnd.known)
@@ -179,7 +179,7 @@ def pad_once(state: State, sh: FsdpShards, rnd: Round) -> None:
     sh.padded += 1
 
 
-def before_forward(state: State, sh: FsdpShards, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def before_forward(state: State, sh: Padder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The root module's forward pre-hook (shards form): open the window, agree the round, keep the inputs."""
     if state.closed or sh.padding or not torch.is_grad_enabled():
         return
@@ -193,7 +193,7 @@ def before_forward(state: State, sh: FsdpShards, args: tuple[Any, ...], kwargs: 
     share_inputs(state, sh, sh.agreed)
 
 
-def watch_forward(state: State, sh: FsdpShards) -> None:
+def watch_forward(state: State, sh: Padder) -> None:
     """Register :func:`before_forward` on the root module (shards form), before FSDP's own pre-hook."""
     module = state.params.module
     if module is None:
@@ -205,7 +205,7 @@ def watch_forward(state: State, sh: FsdpShards) -> None:
     state.extra_hooks.append(module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
 
 
-def enter(state: State, sh: FsdpShards) -> Round | None:
+def enter(state: State, sh: Padder) -> Round | None:
     """At ``microbatch()``'s entry (window open): the round agreed for it, agreeing it here if nothing did."""
     if not sh.rounds:
         return None
@@ -214,7 +214,7 @@ def enter(state: State, sh: FsdpShards) -> Round | None:
     return sh.agreed
 
 
-def rounds(state: State, sh: FsdpShards, items: Iterable[T]) -> Iterator[T]:
+def rounds(state: State, sh: Padder, items: Iterable[T]) -> Iterator[T]:
     """``microbatches()`` in the shards form: one round per item with look-ahead, then padding until all are done."""
     it = iter(items)
     upcoming: Any = next(it, _END)
@@ -234,7 +234,7 @@ def rounds(state: State, sh: FsdpShards, items: Iterable[T]) -> Iterator[T]:
         yield current
 
 
-def finish_rounds(state: State, sh: FsdpShards) -> None:
+def finish_rounds(state: State, sh: Padder) -> None:
     """In ``finish()``: pad until a round finds no rank with a microbatch (bare ``microbatch()`` loops)."""
     while sh.rounds and not sh.done:
         rnd = agree(state, sh, False, False)
@@ -263,7 +263,7 @@ def all_reduce_now(rnd: Round | None, last: bool, lookahead: bool | None) -> boo
     return last or lookahead is None
 
 
-def sends_early(sh: FsdpShards, rnd: Round | None, last: bool) -> bool:
+def sends_early(sh: Padder, rnd: Round | None, last: bool) -> bool:
     """Whether this microbatch's backward may send complete buckets: in the shards form only in a last round
     that every rank runs (elsewhere a short rank's buckets would go out between the others' FSDP collectives)."""
     if not sh.rounds or not last:

@@ -1,0 +1,244 @@
+"""FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) under the accumulator: its shards form.
+
+FSDP1 reduce-scatters each unit's flat gradient in every backward, averaging over its ranks, and adds the shard
+into the sharded ``.grad`` (in the parameters' own dtype; with ``MixedPrecision`` after casting the reduced shard
+back to it). gradagg registers one communication hook on each FSDP1 root (``FSDP.register_comm_hook``, public)
+that reduces a plain SUM instead: after the window's microbatches each rank's ``.grad`` shard holds the sum over
+every microbatch of every rank, and ``finish()`` divides it by the counted D, once. FSDP1's collectives run in
+every forward and backward, so with uneven microbatch counts the ranks agree on each round and a rank that ran
+out pads, as FSDP2's shards form does (:mod:`.padding`): the hook zeroes a padding microbatch's gradient before
+the reduce, so it adds exactly zero; the sums it receives from the other ranks are kept.
+
+What it takes: ``FULL_SHARD`` and ``SHARD_GRAD_OP``; ``use_orig_params`` True (the optimizer holds
+the original parameters, each a 1-d view of this rank's piece, empty on some ranks) or False (the flat
+parameters); nested units (an auto-wrap policy); ``MixedPrecision`` with float32 parameters (each microbatch is
+reduced in ``reduce_dtype``, the window's sum kept in float32). Refused when the accumulator is built, on every
+rank, naming what works: ``HYBRID_SHARD`` (FSDP1 calls no communication hook for hybrid strategies),
+``NO_SHARD`` (FSDP1 reduces the whole accumulated ``.grad`` again at every backward: use DDP),
+``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads`` (the window's sum would be kept in
+that dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own, ``terms=``.
+
+Participation: FSDP1 reduces whole flat parameters (zeros for a parameter a microbatch did not use), so which
+parameter a microbatch reached cannot be observed; the ledger counts every parameter in each microbatch that ran
+a backward. The divisor never depends on it.
+
+FSDP1 cannot remove a communication hook: it stays registered once the accumulator is closed and then averages
+over the ranks, as FSDP1's own reduction does (a later accumulator takes it over).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradagg.errors import GradaggError, WindowError
+from gradagg.torch.accumulate.counting import divisor_problem
+from gradagg.torch.accumulate.flat import all_finite
+from gradagg.torch.accumulate.params import fsdp1_class
+from gradagg.torch.accumulate.state import State
+from gradagg.torch.accumulate.window import OUTSIDE
+from gradagg.torch.accumulate.wrappers import padding
+from gradagg.torch.accumulate.wrappers.pad_run import Sides
+from gradagg.torch.accumulate.wrappers.padding import Pad, Round
+from gradagg.torch.accumulate.wrappers.plain import Plain
+from gradagg.torch.collectives import Group, get_world_size, reduce_scatter_sum_async
+
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+class _NoReplicas:
+    """FSDP1's shards form has no replica dimension (HYBRID_SHARD is refused): nothing to switch."""
+
+    def set_all_reduce(self, now: bool) -> None:
+        return
+
+
+class _Hook:
+    """The communication hook of one FSDP1 root (and every unit under it): a SUM over FSDP1's group.
+
+    Args:
+        group: the FSDP1 units' process group.
+        world: its size.
+    """
+
+    def __init__(self, group: Group, world: int) -> None:
+        self.group, self.world = group, world
+        self.owner: tuple[Fsdp1Shards, State] | None = None  # the accumulator holding it, while one is alive
+
+    def __call__(self, _state: object, grad: torch.Tensor, output: torch.Tensor) -> None:
+        owner = self.owner
+        if owner is None:
+            grad.div_(self.world)  # no accumulator: FSDP1's own average over the ranks
+        elif owner[0].padding:
+            grad.zero_()  # a padding microbatch adds exactly zero, whatever its loss was
+        else:
+            owner[0].reduced(owner[1])
+        reduce_scatter_sum_async(output, grad, self.group).wait()
+
+
+_HOOKS: weakref.WeakKeyDictionary[nn.Module, _Hook] = weakref.WeakKeyDictionary()
+
+
+def refusal(module: nn.Module, mode: str, world: int) -> str | None:
+    """Why the accumulator cannot hold this FSDP1 model (see the module docstring), or None.
+
+    Args:
+        module: the module given to the accumulator.
+        mode: the ``fsdp=`` form asked for.
+        world: the accumulator group's size.
+    """
+    if mode == "window":
+        return ("fsdp='window' is not built for FSDP1 (FullyShardedDataParallel); use the default fsdp='shards', "
+                "or FSDP2's fully_shard, which has both forms")
+    cls = fsdp1_class()
+    for name, unit in module.named_modules():
+        if cls is None or not isinstance(unit, cls):
+            continue
+        where = f"FSDP1 unit {name!r}" if name else "the FSDP1 module given"
+        strategy = getattr(getattr(unit, "sharding_strategy", None), "name", "?")
+        if strategy in HYBRID:
+            return (f"{where} uses {strategy}: FSDP1 calls no communication hook for hybrid strategies, so gradagg "
+                    "cannot reduce its sums; use FULL_SHARD or SHARD_GRAD_OP, or FSDP2's fully_shard on a 2-D mesh "
+                    "(HSDP), which gradagg keeps exact")
+        if strategy == "NO_SHARD":
+            return (f"{where} uses NO_SHARD: FSDP1 then all-reduces the whole accumulated .grad again at every "
+                    "backward, counting earlier microbatches once more; use DDP (DistributedDataParallel), which "
+                    "gradagg keeps exact, or FULL_SHARD / SHARD_GRAD_OP")
+        if getattr(getattr(unit, "mixed_precision", None), "keep_low_precision_grads", False):
+            return (f"{where} sets MixedPrecision(keep_low_precision_grads=True): FSDP1 would sum the window's "
+                    "microbatches in the low-precision dtype; leave it False (gradients kept in float32)")
+        pg = getattr(unit, "process_group", None)
+        ways = pg.size() if pg is not None else world
+        if ways != world:
+            return (f"{where} shards over {ways} ranks but the accumulator's group has {world}: give the "
+                    "accumulator FSDP1's process group")
+    low = next(((n, p.dtype) for n, p in module.named_parameters()
+                if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)), None)
+    if low is not None:
+        return (f"parameter {low[0]!r} is {low[1]}: FSDP1 sums the window's microbatches into .grad in the "
+                "parameters' dtype (256 + 1 = 256 in bfloat16); keep the parameters in float32 and compute in "
+                "low precision with FSDP1's MixedPrecision(param_dtype=torch.bfloat16)")
+    return None
+
+
+class Fsdp1Shards(Plain):
+    """The :class:`~gradagg.torch.accumulate.seam.Wrapper` of FSDP1 (see the module docstring).
+
+    Args:
+        roots: the outermost FSDP1 units (their hook covers every unit under them).
+        n_params: the accumulator's parameters, all reduced by FSDP1 (external).
+        pad: the padding microbatch (see :mod:`.padding`).
+        group: the accumulator's group (FSDP1's): in a group of more than one rank the window runs in agreed rounds.
+
+    Attributes:
+        rounds, pad, kept, padding, failure, agreed, done, padded: as :class:`~.fsdp_shards.FsdpShards`'s.
+    """
+
+    name = "fsdp1 shards"
+
+    def __init__(self, roots: list[nn.Module], n_params: int, pad: Pad, group: Group) -> None:
+        super().__init__()
+        self.external = frozenset(range(n_params))
+        self.roots, self.group = roots, group
+        self.rounds = get_world_size(group) > 1
+        self.pad, self.padding = pad, False
+        self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.failure: str | None = None
+        self.agreed: Round | None = None
+        self.done, self.padded = False, 0
+        self._side = _NoReplicas()
+        self._hooks: list[_Hook] = []
+
+    @property
+    def side(self) -> Sides:
+        return self._side
+
+    def install(self, state: State) -> None:
+        for root in self.roots:
+            hook = _HOOKS.get(root)
+            if hook is None:
+                hook = _Hook(self.group, get_world_size(self.group))
+                try:
+                    root.register_comm_hook(None, hook)  # type: ignore[operator]
+                except AssertionError as exc:  # FSDP1 asserts: a hook is registered already, or not a root
+                    raise GradaggError(f"FSDP1 refused gradagg's communication hook ({exc}): gradagg needs its own "
+                                       "to sum the microbatches; remove yours (FSDP1 takes one per root)") from exc
+                _HOOKS[root] = hook
+            hook.owner = (self, state)
+            self._hooks.append(hook)
+        padding.watch_forward(state, self)
+
+    def reduced(self, state: State) -> None:
+        """The hook reduced a real microbatch's gradient: count every parameter present in it (see the module
+        docstring), or fail the window for a backward outside ``microbatch()``."""
+        w = state.window
+        if w.in_microbatch:
+            w.seen.update(self.external)
+        elif w.open:
+            w.fail(OUTSIDE, "an FSDP1 backward ran outside microbatch() (not counted in M)")
+
+    def microbatches(self, state: State, items: Iterable[Any]) -> Iterator[Any] | None:
+        return padding.rounds(state, self, items) if self.rounds else None
+
+    def before_microbatch(self, state: State, last: bool, lookahead: bool | None) -> bool:
+        rnd = padding.enter(state, self)  # the round, agreed with the other ranks (a rank that ran out pads)
+        return padding.sends_early(self, rnd, last)
+
+    def after_microbatch(self, state: State) -> None:
+        self.agreed = None
+
+    def explained(self, state: State, exc: BaseException) -> BaseException:
+        return padding.explained(state, self.agreed, exc)
+
+    def prepare(self, state: State, ran: bool) -> None:
+        padding.finish_rounds(state, self)  # a rank with none pads while the others still run theirs
+        sender = state.window.sender
+        if sender is not None and sender.finite is not None:
+            for t in state.tensors:
+                if t.grad is not None:
+                    sender.finite &= all_finite(t.grad)
+
+    def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
+        """Divide FSDP1's summed shard in ``t.grad`` by D (None where no rank ran a backward).
+
+        Raises:
+            WindowError: on every rank (D is the same on each) when the gradient's dtype cannot divide by D.
+        """
+        grad = t.grad
+        if grad is None or not present:
+            t.grad = None
+            return
+        problem = divisor_problem(divisor, grad.dtype)
+        if problem is not None:
+            raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r}, which {problem}; "
+                              "nothing was stepped")
+        if divisor != 1:
+            grad.div_(divisor)
+
+    def close(self, state: State) -> None:
+        state.padded_last = self.padded
+        self._new_window()
+
+    def discard(self, state: State) -> None:
+        self.padding = False
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.agreed, self.done, self.padded = None, False, 0
+
+    def release(self) -> None:
+        for hook in self._hooks:
+            if hook.owner is not None and hook.owner[0] is self:
+                hook.owner = None  # FSDP1's own average again
+        self._hooks = []
+
+    def refuses_terms(self) -> str | None:
+        return ("terms= under FSDP1: FSDP1 reduces each backward into one gradient per parameter, so the terms' sums "
+                "cannot be kept apart; use FSDP2's fully_shard with fsdp='window'")
+
+
+__all__ = ["Fsdp1Shards", "refusal"]
