@@ -24,6 +24,8 @@ each optimizer's last step, missed every loop where no step marks a window's end
   :meth:`~gradagg.torch.MicrobatchAccumulator.attach`, the window is finished first (a collective every
   rank runs here, as every rank clips), then the clip runs on the exact gradients; without it,
   :class:`~gradagg.errors.WindowError`, naming the clip and the fix.
+* FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` (a method, wrapped once FSDP1 is imported): the same
+  as ``clip_grad_norm_``, over the module's parameters.
 * ``torch.nn.utils.clip_grads_with_norm_`` over held parameters: always refused, since its norm was
   computed before (torchtitan and Accelerate call ``get_total_norm([p.grad ...])``, which saw no gradient).
 * an optimizer step over held parameters of an accumulator not attached to it: refused. A step while no window
@@ -106,6 +108,7 @@ def register(state: State) -> Registration:
     key = id(state)
     _entries[key] = Entry(weakref.ref(state, lambda _ref: _forget(key)))
     _patching.install()
+    _patching.install_fsdp1()  # FSDP1 may have been imported since the first accumulator was built
     return Registration(key)
 
 
@@ -378,6 +381,20 @@ def _guarded_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     return unscale_
 
 
+def _guarded_fsdp1_clip(original: Callable[..., Any]) -> Callable[..., Any]:
+    """FSDP1's own clip (``FullyShardedDataParallel.clip_grad_norm_``, a method): a clip over the module's parameters
+    like ``torch.nn.utils``'s. Inside a window FSDP1's ``.grad`` shards hold the partial sums of the microbatches so
+    far, not divided: a clip there would clip the wrong gradient."""
+
+    @functools.wraps(original)
+    def clip_grad_norm_(module: Any, *args: Any, **kwargs: Any) -> Any:
+        before_clip("FullyShardedDataParallel.clip_grad_norm_", list(module.parameters()), can_finish=True)
+        return original(module, *args, **kwargs)
+
+    clip_grad_norm_.__gradagg_original__ = original  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
 class _Patching:
     """The wrappers in ``torch.nn.utils`` and the global step hooks, while any accumulator is alive."""
 
@@ -406,8 +423,27 @@ class _Patching:
             register_optimizer_step_post_hook(_step_post_hook),
         ]
 
+    def install_fsdp1(self) -> None:
+        """Wrap FSDP1's own clip where the user imported FSDP1 (never imported here: it is heavy)."""
+        import sys
+
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        cls = getattr(fsdp, "FullyShardedDataParallel", None)
+        if cls is None or not self.handles or "FullyShardedDataParallel.clip_grad_norm_" in self.wrappers:
+            return
+        original = getattr(cls.clip_grad_norm_, "__gradagg_original__", cls.clip_grad_norm_)
+        self.wrappers["FullyShardedDataParallel.clip_grad_norm_"] = _guarded_fsdp1_clip(original)
+        cls.clip_grad_norm_ = self.wrappers["FullyShardedDataParallel.clip_grad_norm_"]
+
     def uninstall(self) -> None:
+        import sys
+
         import torch.nn.utils.clip_grad as clip_module
+
+        fsdp1_clip = self.wrappers.pop("FullyShardedDataParallel.clip_grad_norm_", None)
+        cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+        if fsdp1_clip is not None and cls is not None and cls.clip_grad_norm_ is fsdp1_clip:
+            cls.clip_grad_norm_ = fsdp1_clip.__gradagg_original__  # type: ignore[attr-defined]
 
         unscale = self.wrappers.pop("GradScaler.unscale_", None)
         if unscale is not None and torch.amp.GradScaler.unscale_ is unscale:  # someone else's replacement stays

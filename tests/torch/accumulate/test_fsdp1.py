@@ -95,3 +95,13 @@ def test_what_fsdp1_cannot_do_exactly_is_refused_on_every_rank_naming_what_works
 
 def test_a_plain_fsdp1_model_is_accepted() -> None:
     assert run_local_world(fsdp1.refusal_world, 2, "accepted", **WORLD) == ["accepted", "accepted"]
+
+
+def test_fsdp1s_own_clip_inside_a_window_finishes_it_when_attached_and_is_refused_otherwise() -> None:
+    """Before: ``model.clip_grad_norm_`` (FSDP1's method, not torch.nn.utils') clipped the undivided partial sums
+    FSDP1 holds in .grad inside a window, silently. Now refused on every rank without attach(); with it, the window
+    finishes first and the clip sees the exact gradient (a float32 model, FSDP1's clip takes no float64: its norm
+    within 1e-5 relative of the float64 truth's, float32 round-off over a few microbatches)."""
+    for rank in run_local_world(fsdp1.clip_world, 2, **WORLD):
+        assert str(rank[False]).startswith("WindowError: FullyShardedDataParallel.clip_grad_norm_ called"), rank
+        assert abs(rank[True] - rank["want"]) <= 1e-5 * rank["want"], rank

@@ -184,3 +184,29 @@ def refusal_world(how: str) -> str:
 
 
 __all__ = ["CONFIGS", "WINDOWS", "exact_world", "mixed_precision_world", "refusal_world"]
+
+
+def clip_world() -> dict[str, Any]:
+    """FSDP1's own clip (``model.clip_grad_norm_``) inside a window: refused without ``attach``; with it, the window
+    finishes first and the norm is the exact gradient's (against the float64 truth's)."""
+    from gradagg.errors import WindowError
+
+    rank, out = dist.get_rank(), {}
+    data = tw.token_batches(8)
+    mine = tw.share(data, [3, 5], rank)
+    model = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32))  # FSDP1's clip takes no float64
+    acc = MicrobatchAccumulator(model)
+    for attached in (False, True):
+        if attached:
+            acc.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+        for batch in acc.microbatches(mine):
+            with acc.microbatch(weight=int(batch[3].sum())):
+                loss_sum(model, batch, torch.float32).backward()
+        try:
+            out[attached] = float(model.clip_grad_norm_(1e9))  # type: ignore[operator]
+        except WindowError as exc:
+            out[attached] = f"WindowError: {exc}"
+            acc.discard()
+    want = truth(data)
+    out["want"] = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in want.values()])))
+    return out
