@@ -8,6 +8,7 @@ averaged by FSDP1 every microbatch).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -46,11 +47,28 @@ def _tokens(counts: list[int]) -> float:
     from tests.torch.workers import train as tw
 
     start = 0
-    for c, _ in fsdp1.WINDOWS:
+    for c, _ in fsdp1.WINDOWS if len(counts) == 2 else fsdp1.WINDOWS_4:
         if c == counts:
             break
         start += sum(c)
     return float(sum(tw.VALID[k % len(tw.VALID)] for k in range(start, start + sum(counts))))
+
+
+@pytest.fixture(scope="module")
+def exact_4() -> list[dict[tuple[Any, ...], Any]]:
+    return run_local_world(fsdp1.exact_world, 4, [("FULL_SHARD", True, "nested"), ("SHARD_GRAD_OP", False, "root")],
+                           **WORLD)
+
+
+def test_fsdp1_on_4_ranks(exact_4: list[dict[tuple[Any, ...], Any]]) -> None:
+    """4 ranks: two with none in one window, three with none in the next (they pad), even counts; the ranks hold
+    pieces of different sizes (use_orig_params=True: some empty)."""
+    for rank in exact_4:
+        for key, got in rank.items():
+            if key[-1] == "after close":
+                assert got <= EXACT, key
+                continue
+            assert got["error"] <= EXACT and got["divisor"] == _tokens(json.loads(key[-1])), (key, got)
 
 
 @pytest.mark.parametrize("config", fsdp1.CONFIGS, ids=[" ".join(map(str, c)) for c in fsdp1.CONFIGS])
