@@ -61,6 +61,10 @@ class Params:
                 raise GradaggError(f"expected a module, tensors or (name, tensor) pairs; item {k} is {kind}")
             if id(t) in seen:
                 continue
+            if not out.fsdp1 and getattr(t, FSDP1_FLATTENED, False):
+                raise GradaggError(f"parameter {name!r} is flattened into FullyShardedDataParallel (FSDP1), which the "
+                                   "accumulator was not given (it was given the module inside, or its parameters): "
+                                   "give the accumulator the wrapped module: MicrobatchAccumulator(fsdp_model)")
             if module is None and FSDP1_PREFIX in name.split("."):
                 raise GradaggError(f"parameter {name!r} belongs to an FSDP1 unit: pass the FSDP1 module itself "
                                    "(FullyShardedDataParallel), not its parameters: gradagg reduces through its hook")
@@ -109,6 +113,10 @@ class Params:
 
 
 FSDP1_PREFIX = "_fsdp_wrapped_module"  # the attribute FSDP1 holds its module under (in every parameter's name)
+# Private: FSDP1 marks every parameter it flattened with this attribute (torch.distributed.fsdp._common_utils.
+# _set_fsdp_flattened); no public API tells a module inside an FSDP1 unit. Where it is missing, the ranks' differing
+# pieces are refused by the layout check instead (a CollectiveError comparing their shapes).
+FSDP1_FLATTENED = "_fsdp_flattened"
 
 
 def fsdp1_class() -> type[torch.nn.Module] | None:
