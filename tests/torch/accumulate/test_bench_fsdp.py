@@ -31,3 +31,15 @@ def test_bench_fsdp_quick_prints_its_forms() -> None:
     assert "| 1.00 |" in rows["FSDP2 reduce-scatter every microbatch"]
     assert rows["gradagg shards, counts 1 4 0 3"].endswith("| 3 0 4 1 |"), rows
     assert rows["gradagg window, counts 1 4 0 3"].endswith("| - |"), rows
+
+
+def test_bench_fsdp1_quick_prints_its_forms() -> None:
+    """bench/bench_fsdp1.py --quick: FSDP1's own two recipes and gradagg's even and uneven rows; the uneven row names
+    each rank's padding rounds, max(1, 4, 0, 3) - count: 3 0 4 1."""
+    done = subprocess.run([sys.executable, "bench/bench_fsdp1.py", "--quick"], capture_output=True, text=True,
+                          cwd=ROOT, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| ([^|]+?) \|.*$", done.stdout, re.M)}
+    assert set(rows) == {"form", "FSDP1 reduce-scatter every microbatch", "FSDP1 no_sync until the last",
+                         "gradagg FSDP1 shards", "gradagg FSDP1 shards, counts 1 4 0 3"}, done.stdout
+    assert rows["gradagg FSDP1 shards, counts 1 4 0 3"].endswith("| 3 0 4 1 |"), rows
