@@ -17,10 +17,11 @@ import torch
 
 from gradagg.torch import MicrobatchAccumulator
 from gradagg.torch.accumulate import seam
-from gradagg.torch.accumulate.wrappers import chooser, ddp, deepspeed, fsdp_shards, fsdp_window, plain
+from gradagg.torch.accumulate.wrappers import chooser, ddp, deepspeed, fsdp1, fsdp_shards, fsdp_window, plain
 
 PACKAGE = Path(seam.__file__).parent
-WRAPPERS = [plain.Plain, ddp.Ddp, fsdp_window.FsdpWindow, fsdp_shards.FsdpShards, deepspeed.DeepSpeedZero]
+WRAPPERS = [plain.Plain, ddp.Ddp, fsdp_window.FsdpWindow, fsdp_shards.FsdpShards, fsdp1.Fsdp1Shards,
+            deepspeed.DeepSpeedZero]
 CORE = sorted(p for p in PACKAGE.glob("*.py") if p.name not in {"accumulator.py", "__init__.py"})
 
 

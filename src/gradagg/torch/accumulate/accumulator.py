@@ -23,7 +23,7 @@ from gradagg.torch.accumulate.params import ParamSource
 from gradagg.torch.accumulate.state import State, build
 from gradagg.torch.accumulate.terms_after import Microbatch
 from gradagg.torch.accumulate.window import LATE, RAISED, check_weight
-from gradagg.torch.accumulate.wrappers import Choose, chooser
+from gradagg.torch.accumulate.wrappers import Choose, chooser, unknown
 from gradagg.torch.accumulate.wrappers.fsdp import Mode
 from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.collectives import Group
@@ -127,6 +127,7 @@ class MicrobatchAccumulator:
         self._release = weakref.finalize(self, lifetime.release, self._state)
         self._release.atexit = False
         opening.install(self._state)
+        unknown.watch(self._state)  # a wrapper it was not given, met at the first forward through it
 
     def _chooser(self, fsdp: Mode, pad: Pad) -> Choose:
         """The wrapper's chooser (see :mod:`gradagg.torch.accumulate.wrappers`); a subclass for another wrapper

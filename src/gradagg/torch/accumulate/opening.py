@@ -6,7 +6,7 @@ import torch
 
 from gradagg.errors import GradaggError
 from gradagg.torch import guard
-from gradagg.torch.accumulate import stale, wrapped
+from gradagg.torch.accumulate import stale
 from gradagg.torch.accumulate.buckets import Sender
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import CHANGED, STALE
@@ -45,12 +45,10 @@ def open_window(state: State, *, empty: bool = False) -> None:
 
 def install(state: State) -> None:
     """Register the accumulator with :mod:`gradagg.torch.guard` (steps and clips that would miss its gradients);
-    compare the parameters with the other ranks' (:func:`check_layout`); let the wrapper hook the parameters; watch
-    for a wrapper it was not given (:mod:`.wrapped`)."""
+    compare the parameters with the other ranks' (:func:`check_layout`); let the wrapper hook the parameters."""
     state.extra_hooks.append(guard.register(state))
     check_layout(state)
     state.wrapper.install(state)
-    wrapped.watch(state)  # a wrapper it was not given, met at the first forward through it
 
 
 def check_params(state: State) -> None:

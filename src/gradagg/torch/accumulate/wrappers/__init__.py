@@ -9,6 +9,8 @@
 * :mod:`.deepspeed`: a DeepSpeed ZeRO engine, which reduces every gradient itself (chosen by
   :class:`gradagg.integrations.deepspeed.DeepSpeedAccumulator`, not by :func:`chooser`: only the engine tells).
 
+:mod:`.unknown` watches the first forwards for a wrapper the accumulator was not given (started by the shell).
+
 The accumulator's own modules never import these: the public shell passes :func:`chooser`'s result to
 :func:`~gradagg.torch.accumulate.state.build`, and everything after calls the wrapper through the seam.
 """

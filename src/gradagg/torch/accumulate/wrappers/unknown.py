@@ -1,5 +1,7 @@
 """A wrapper the accumulator was not given: refused at the first forward through it, on every rank that runs one.
 
+In :mod:`.wrappers` since it asks which wrapper a module is; the public shell starts it (:func:`watch`).
+
 The accumulator adapts to the wrapper it is given (DDP, FSDP1, FSDP2, DeepSpeed: :mod:`.wrappers`). A model wrapped
 *after* the accumulator was built, or an accumulator given the module *inside* a wrapper the loop trains through,
 leaves the wrapper reducing every backward on its own: DDP and FSDP1 average each microbatch over the ranks (and
