@@ -100,7 +100,7 @@ REFUSALS = {
     "hybrid": "uses HYBRID_SHARD",
     "bf16": "is torch.bfloat16: FSDP1 sums the window's microbatches into .grad",
     "own hook": "FSDP1 refused gradagg's communication hook",
-    "named": "belongs to an FSDP1 unit: pass the FSDP1 module itself",
+    "named": "(FSDP1), which the accumulator was not given",
 }
 
 
