@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -79,6 +80,34 @@ from gradagg.torch.accumulate.wrappers.deepspeed import DeepSpeedZero
 from gradagg.torch.accumulate.wrappers.fsdp import Mode
 from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_world_size
+
+
+@dataclass(frozen=True)
+class DeepSpeedLedger(Ledger):
+    """A window's :class:`Ledger`, and whether DeepSpeed's ``engine.step()`` applied it.
+
+    Attributes:
+        step_applied: False where DeepSpeed skipped the step (its bf16 overflow check found a non-finite gradient
+            after the reduction: it all-reduces that flag, so every rank skips, and the window is dropped); None
+            before ``engine.step()`` or where the engine cannot say (no ``was_step_applied()``).
+    """
+
+    step_applied: bool | None = None
+
+    @classmethod
+    def after_step(cls, ledger: Ledger, engine: Any) -> DeepSpeedLedger:
+        """``ledger`` with what DeepSpeed's public ``engine.was_step_applied()`` said after the step."""
+        asked = getattr(engine, "was_step_applied", None)
+        applied = bool(asked()) if callable(asked) else None
+        return cls(**{f.name: getattr(ledger, f.name) for f in fields(Ledger)}, step_applied=applied)
+
+    def report(self) -> str:
+        """:meth:`Ledger.report`, and a line saying whether DeepSpeed applied the step."""
+        if self.step_applied is None:
+            return super().report()
+        said = "applied" if self.step_applied else ("skipped on every rank (non-finite gradients after the "
+                                                    "reduction: DeepSpeed's overflow check); the window is dropped")
+        return f"{super().report()}\nDeepSpeed's step: {said}"
 
 
 class DeepSpeedAccumulator(MicrobatchAccumulator):
@@ -116,7 +145,8 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
 
         def choose(params: Params, group: Group, span: Any) -> Choice:
             def make() -> Wrapper:
-                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average))
+                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average),
+                                     wide=bool(engine.bfloat16_enabled()))
 
             return Choice(group, span, make)
 
@@ -195,7 +225,11 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         # (Accelerate sets it False on every microbatch but the last), and a step skipped on a boundary False would
         # leave the reduced gradients for the next window's flush to add to.
         self._set_boundary(True)
-        return self._step(*args, **kwargs)
+        out = self._step(*args, **kwargs)
+        last = self._state.last
+        if last is not None:
+            self._state.last = DeepSpeedLedger.after_step(last, self._engine)
+        return out
 
     def _wrapped_set_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's ``set_gradient_accumulation_boundary``, its last value before ``engine.step()`` recorded."""
@@ -282,8 +316,9 @@ def _unsupported(engine: Any) -> str | None:
     if stage not in (1, 2, 3):
         return (f"ZeRO stage {stage} is not supported: DeepSpeed's coalesce_grad_reduction(), which keeps a window's "
                 "gradients local, needs ZeRO stage 1, 2 or 3")
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
-        return f"ZeRO stage {stage} with fp16 or bf16 is not supported yet: gradagg is verified with float32 only"
+    problem = _precision_problem(engine, stage)
+    if problem is not None:
+        return problem
     if getattr(engine, "pipeline_parallelism", False) or not engine.managed_gradient_accumulation():
         return "pipeline parallelism and managed_gradient_accumulation=false are not supported"
     if not isinstance(getattr(engine, "gradient_average", None), bool):
@@ -296,4 +331,37 @@ def _unsupported(engine: Any) -> str | None:
     return None
 
 
-__all__ = ["DeepSpeedAccumulator", "exact"]
+def _precision_problem(engine: Any, stage: int) -> str | None:
+    """Why the engine's precision is refused (one line, naming what works), or None: float32, and bf16 with
+    DeepSpeed's ZeRO optimizer and its overflow check."""
+    if engine.fp16_enabled():
+        # DeepSpeed's CPU accelerator refuses fp16, so its dynamic loss scaling under exact() could not be tested
+        return ("fp16 is not supported (DeepSpeed's loss scaling under exact() is untested: its CPU accelerator has "
+                "no fp16); use bf16 (\"bf16\": {\"enabled\": true}), or torch.amp fp16 with a GradScaler")
+    if not engine.bfloat16_enabled():
+        return None
+    _, accum = engine.get_data_types()
+    if accum != torch.bfloat16:
+        # ZeRO-1 then runs DeepSpeed's BF16_Optimizer, which has no coalesce_grad_reduction(); ZeRO-2 and -3 are
+        # not tested with it. gradagg's own window sum is float32 either way
+        return (f"bf16 with data_types.grad_accum_dtype {str(accum).removeprefix('torch.')} is not supported; leave "
+                "grad_accum_dtype unset: exact() keeps the window's sum in float32 itself")
+    if _overflow_checked(engine) is not True:
+        return ("bf16 with bf16.check_grad_overflow false (or unreadable) would step on a non-finite gradient; leave "
+                "it true (DeepSpeed's default), which skips such a step on every rank")
+    return None
+
+
+def _overflow_checked(engine: Any) -> bool | None:
+    """Whether DeepSpeed skips a bf16 step whose gradients are not finite (None: unknown).
+
+    DeepSpeed 0.19.8 reads ``bf16.check_grad_overflow`` back only from its private parsed config
+    (``engine._config.bfloat16_config``); with it off, its ZeRO bf16 step applies a non-finite gradient, with it on
+    (the default) the overflow flag is all-reduced and the step skipped on every rank. Where that private path is
+    gone, the answer is None and the engine is refused (tested with an engine without it).
+    """
+    value = getattr(getattr(getattr(engine, "_config", None), "bfloat16_config", None), "check_grad_overflow", None)
+    return value if isinstance(value, bool) else None
+
+
+__all__ = ["DeepSpeedAccumulator", "DeepSpeedLedger", "exact"]
