@@ -54,7 +54,7 @@ def units_bound(world: int) -> float:
 def worlds() -> dict[int, list[dict[str, Any]]]:
     options: dict[str, Any] = {"timeout_s": 300.0, "collective_timeout_s": 60.0, "env": {"DS_ACCELERATOR": "cpu"},
                                "preload": ["torch._dynamo"]}
-    return {2: run_local_world(bf.bf16_world, 2, exact_cases(2) + BESIDE, **options),
+    return {2: run_local_world(bf.bf16_world, 2, exact_cases(2) + BESIDE, STAGES, **options),
             3: run_local_world(bf.bf16_world, 3, exact_cases(3), **options)}
 
 
@@ -112,6 +112,17 @@ def test_closer_than_deepspeeds_own_bf16_recipe(worlds: dict[int, list[dict[str,
             assert a["units"] <= units_bound(2) and a["relative"] < b["relative"], (a, b)
         assert many["relative"] < many_theirs["relative"] and many["added"] < many_theirs["added"], (many, many_theirs)
         assert many["units"] <= units_bound(2) < many_theirs["units"], (many, many_theirs)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_accelerates_deepspeed_plugin_in_bf16(worlds: dict[int, list[dict[str, Any]]], stage: int) -> None:
+    """``Accelerator(mixed_precision="bf16")`` with a DeepSpeed plugin, gradagg.integrations.accelerate.exact: the
+    engine is bf16, steps once per window (3, 3, 3 and the short 1 per rank), and each window is within
+    :func:`units_bound`, the window's last microbatch included (Accelerate steps inside its backward)."""
+    for r in worlds[2]:
+        case = r[f"accelerate/{stage}"]
+        assert case["dtype"] == "torch.bfloat16" and case["global_steps"] == 4, case
+        assert max(e["units"] for e in case["errors"]) <= units_bound(2), case["errors"]
 
 
 @pytest.mark.parametrize(("name", "fragment"), [

@@ -29,15 +29,18 @@ OVERFLOW = {2: [[[5, 3], [4]], [[2, 6], [1, 3]], [[4], [6]]],
 MANY = 32
 
 
-def bf16_world(cases: list[tuple[str, int, float]]) -> dict[str, Any]:
+def bf16_world(cases: list[tuple[str, int, float]], accelerate: tuple[int, ...] = ()) -> dict[str, Any]:
     """Run each ``(loop, stage, clip)``: "exact" (gradagg on uneven counts, ZeRO-3 padded), "even" and "native"
     (gradagg, and DeepSpeed's own recipe with gradient_accumulation_steps 3, on even counts), "many" and
     "many_native" (one window of MANY full microbatches per rank), "overflow" (gradagg, a non-finite microbatch on
     rank 0 in window 1). Returns per case, per window: the applied gradient's errors (see :func:`errors`), the
-    ledger's divisor and whether DeepSpeed applied the step; on 2 ranks, :func:`refusals` too."""
+    ledger's divisor and whether DeepSpeed applied the step; on 2 ranks, :func:`refusals` too; then, per ZeRO stage
+    of ``accelerate``, :func:`accelerate_bf16`."""
     dz.launcher()
-    out = {f"{loop}/{stage}/{clip}": _case(loop, stage, clip) for loop, stage, clip in cases}
-    return {**out, "refused": refusals()} if dist.get_world_size() == 2 else out
+    out: dict[str, Any] = {f"{loop}/{stage}/{clip}": _case(loop, stage, clip) for loop, stage, clip in cases}
+    if dist.get_world_size() == 2:
+        out["refused"] = refusals()
+    return {**out, **{f"accelerate/{stage}": accelerate_bf16(stage) for stage in accelerate}}
 
 
 def engine(stage: int, clip: float, steps: int = 1, **bf16: Any) -> Any:
@@ -63,24 +66,31 @@ def loss_sum(model: Any, tokens: torch.Tensor, labels: torch.Tensor, extra: bool
 
 def truth(params: dict[str, torch.Tensor], plan: list[list[int]], window: int, clip: float, extra: bool,
           same: bool = False) -> dict[str, torch.Tensor]:
-    """The window at the bf16 parameters, in one process: ``grad``, its float64 gradient (all tokens' summed losses
-    / all tokens); ``ref``, each microbatch's bf16 gradient (the same bf16 forward and backward as on its rank)
-    summed exactly, in float64, / all tokens; both clipped as DeepSpeed clips, each by its own norm; ``scale``,
-    per element, the sum of |each microbatch's bf16 gradient| / all tokens."""
+    """:func:`truth_of` the window's microbatches (rank by rank); ``same``: every microbatch of a rank is its first."""
+    batches = [(*dz.microbatch(window, rank, 0 if same else k, valid), extra and dz.uses_extra(window, rank, k))
+               for rank, counts in enumerate(plan) for k, valid in enumerate(counts)]
+    return truth_of(params, batches, clip)
+
+
+def truth_of(params: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor, bool]],
+             clip: float) -> dict[str, torch.Tensor]:
+    """A window of ``batches`` (tokens, labels, whether ``extra`` runs) at the bf16 parameters, in one process:
+    ``grad``, its float64 gradient (all tokens' summed losses / all tokens); ``ref``, each microbatch's bf16
+    gradient (the same bf16 forward and backward as on its rank) summed exactly, in float64, / all tokens; both
+    clipped as DeepSpeed clips, each by its own norm; ``scale``, per element, the sum of |each microbatch's bf16
+    gradient| / all tokens."""
     wide, narrow = dz.Tiny().double(), dz.Tiny().to(torch.bfloat16)
     state = {n: p.to(torch.bfloat16) for n, p in params.items()}
     wide.load_state_dict({n: p.double() for n, p in state.items()})
     narrow.load_state_dict(state)
-    total = sum(v for counts in plan for v in counts)
-    for rank, counts in enumerate(plan):
-        for k, valid in enumerate(counts):
-            tokens, labels = dz.microbatch(window, rank, 0 if same else k, valid)
-            loss_sum(wide, tokens, labels, extra and dz.uses_extra(window, rank, k)).backward()  # type: ignore[no-untyped-call]
-            narrow.zero_grad()
-            loss_sum(narrow, tokens, labels, extra and dz.uses_extra(window, rank, k)).backward()  # type: ignore[no-untyped-call]
-            g = _flat(narrow)
-            state["ref"] = state.get("ref", torch.zeros_like(g)) + g
-            state["scale"] = state.get("scale", torch.zeros_like(g)) + g.abs()
+    total = sum(int((labels != -100).sum()) for _, labels, _ in batches)
+    for tokens, labels, extra in batches:
+        loss_sum(wide, tokens, labels, extra).backward()  # type: ignore[no-untyped-call]
+        narrow.zero_grad()
+        loss_sum(narrow, tokens, labels, extra).backward()  # type: ignore[no-untyped-call]
+        g = _flat(narrow)
+        state["ref"] = state.get("ref", torch.zeros_like(g)) + g
+        state["scale"] = state.get("scale", torch.zeros_like(g)) + g.abs()
     return {"grad": _clipped(_flat(wide) / total, clip), "ref": _clipped(state["ref"] / total, clip),
             "scale": state["scale"] / total}
 
@@ -204,4 +214,50 @@ def refusals() -> dict[str, Any]:
             out[name] = None
         except Exception as e:  # the test checks the type and the message
             out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def accelerate_bf16(stage: int) -> dict[str, Any]:
+    """Accelerate's DeepSpeed plugin with ``mixed_precision="bf16"``, ZeRO ``stage``: the accumulator from
+    ``gradagg.integrations.accelerate.exact`` on the prepared engine, windows of 3 sequences (Accelerate steps the
+    engine inside the backward of each window's last, so that microbatch's bf16 gradient is still on the
+    parameters when the window finishes) and the short last one of 2. Per window the errors of :func:`errors`;
+    the engine's dtype and step count. Accelerate's state reset first (its private ``_reset_state``, as
+    :func:`deepspeed_accel.accelerate_world`; test-only)."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+
+    from gradagg.integrations import accelerate as integration
+    from tests.integrations.workers.deepspeed_accel import SEQUENCES, STEPS, VALID
+
+    dz.launcher()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    plugin = DeepSpeedPlugin(hf_ds_config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": STEPS, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+        "bf16": {"enabled": True}})
+    accelerator = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=STEPS, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = dz.Tiny()
+    loader: Any = torch.utils.data.DataLoader(list(range(SEQUENCES)), batch_size=1)  # type: ignore[arg-type]
+    ds, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=dz.LR), loader)
+    acc = integration.exact(accelerator, ds, optimizer)
+    out: dict[str, Any] = {"errors": [], "dtype": str(next(ds.module.parameters()).dtype)}
+    seen, before = [], dz.full(ds)
+    for (i,) in loader:
+        seen.append(int(i))
+        tokens, labels = dz.microbatch(0, 0, int(i), VALID[int(i)])
+        with accelerator.accumulate(ds), acc.microbatch(weight=VALID[int(i)]):
+            accelerator.backward(loss_sum(ds, tokens, labels, False))
+        if accelerator.sync_gradients:
+            every: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+            dist.all_gather_object(every, seen)
+            batches = [(*dz.microbatch(0, 0, j, VALID[j]), False) for ids in every for j in ids]
+            after = dz.full(ds)
+            applied = torch.cat([(before[n] - after[n]).flatten() for n in before]) / dz.LR
+            written = torch.cat([after[n].flatten() for n in before])
+            out["errors"].append(errors(applied, truth_of(before, batches, 0.0), written))
+            seen, before = [], after
+    acc.close()
+    out["global_steps"] = ds.global_steps
     return out
