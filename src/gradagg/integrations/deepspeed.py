@@ -54,8 +54,18 @@ acc.microbatch(weight=n): accelerator.backward(loss_sum)``: Accelerate calls ``e
 its sync microbatch, which ends that microbatch and closes the window there; a Hugging Face ``Trainer`` with
 ``deepspeed=`` goes the same way under ``gradagg.integrations.transformers.exact(trainer)``.
 
+* **bf16** (``"bf16": {"enabled": true}``): DeepSpeed's parameters, and so the ``.grad`` its block keeps local,
+  are bf16; the wrapper adds each microbatch's gradient into a float32 sum of the window and rounds it to bf16 once,
+  divided, for DeepSpeed's reduction (see :mod:`gradagg.torch.accumulate.wrappers.deepspeed`). A non-finite
+  gradient on any rank reaches every rank through that reduction, and DeepSpeed's bf16 overflow check skips the
+  step on every rank: ``acc.ledger`` is then a :class:`DeepSpeedLedger` with ``step_applied`` False. Refused at
+  :func:`exact`, naming what works: fp16 (DeepSpeed's CPU accelerator has none, so its loss scaling under
+  ``exact()`` is untested), bf16 with ``data_types.grad_accum_dtype`` other than bf16 (ZeRO-1 then runs DeepSpeed's
+  ``BF16_Optimizer``, which has no ``coalesce_grad_reduction()``), bf16 with ``bf16.check_grad_overflow`` false.
+
 Memory: inside the window every rank holds the full local gradient of every parameter (DeepSpeed's coalesced
-reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition.
+reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition; in bf16
+also the window's float32 sums.
 DeepSpeed is imported by the caller; this module does not import it.
 """
 
@@ -117,7 +127,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         """Wrap ``engine.step`` and ``engine.backward`` (see the module's docstring).
 
         Args:
-            engine: a ZeRO stage 1, 2 or 3 float32 ``DeepSpeedEngine``, any ``gradient_accumulation_steps``.
+            engine: a ZeRO stage 1, 2 or 3 float32 or bf16 ``DeepSpeedEngine``, any ``gradient_accumulation_steps``.
 
         Raises:
             GradaggError: see :func:`exact`.
@@ -196,7 +206,8 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
 
     @property
     def ledger(self) -> Ledger | None:  # type: ignore[override]
-        """What the last finished window counted (None before the first)."""
+        """What the last finished window counted (None before the first); after its ``engine.step()``, a
+        :class:`DeepSpeedLedger`, saying whether DeepSpeed applied the step."""
         return self._state.last
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -287,14 +298,15 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
     """The accumulator for a DeepSpeed ZeRO engine: its windows close at ``engine.step()``, divided by the weights.
 
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``) with ZeRO stage 1, 2 or 3, float32,
-            data parallelism only; any ``gradient_accumulation_steps`` (each ``engine.step()`` ends a window).
+        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``) with ZeRO stage 1, 2 or 3, float32
+            or bf16, data parallelism only; any ``gradient_accumulation_steps`` (each ``engine.step()`` ends a window).
 
     Returns:
         A :class:`DeepSpeedAccumulator`; run each microbatch's backward in its ``microbatch(weight=...)``.
 
     Raises:
-        GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, pipeline, tensor or sequence
+        GradaggError: naming what is unsupported: ZeRO stage 0, fp16, bf16 with ``data_types.grad_accum_dtype``
+            other than bf16 or with ``bf16.check_grad_overflow`` false, pipeline, tensor or sequence
             parallelism, a DeepSpeed without ``coalesce_grad_reduction`` (before 0.19) or without the engine's
             ``gradient_average`` flag.
 
