@@ -1,7 +1,8 @@
 """Benchmark: a DeepSpeed ZeRO-2 step with ``gradagg.integrations.deepspeed.exact(engine)`` against DeepSpeed's own
 gradient accumulation.
 
-2 gloo ranks on loopback, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), 1 torch thread per rank, float32,
+2 gloo ranks on loopback, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), 1 torch thread per rank, float32
+(``--precision bf16``: DeepSpeed's bf16, bf16 parameters and activations, fp32 master weights, the loss in float32),
 torch's SGD, bench_training.py's MLP (9.44 M parameters), M = 8 microbatches of 16 samples per rank and step:
 
 * **DeepSpeed's own**: ``gradient_accumulation_steps`` 8, per microbatch ``engine.backward(mean loss)`` and
@@ -11,7 +12,8 @@ torch's SGD, bench_training.py's MLP (9.44 M parameters), M = 8 microbatches of 
   ``coalesce_grad_reduction()`` block, so one reduction per step, and every rank holds its full local gradient
   until then.
 
-Equal counts, so both apply the same gradient: the two engines' parameters are compared after the timed steps.
+Equal counts, so both apply the same gradient: the two engines' parameters are compared after the timed steps
+(in bf16 they differ by round-off: DeepSpeed sums the microbatches in bf16, gradagg in float32).
 
 Time: both engines in one world, steps interleaved (A B, then B A, ...), each between two barriers (a step ends
 when the slower rank's does); medians, ratio of medians, median of the paired ratios. Target (issue 24): <= 1.05.
@@ -98,8 +100,9 @@ def make_data(widths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(M)]
 
 
-def engine_of(form: str, widths: list[int]) -> tuple[Any, Any]:
-    """A ZeRO-2 engine for ``form`` and, for gradagg, its accumulator."""
+def engine_of(form: str, widths: list[int], precision: str = "float32") -> tuple[Any, Any]:
+    """A ZeRO-2 engine for ``form`` (``precision`` "bf16": DeepSpeed's bf16, bf16 parameters and fp32 master
+    weights) and, for gradagg, its accumulator."""
     import deepspeed
 
     from gradagg.integrations.deepspeed import exact
@@ -107,22 +110,25 @@ def engine_of(form: str, widths: list[int]) -> tuple[Any, Any]:
     model = make_model(widths)
     steps = M if form == "deepspeed" else 1
     cfg = {"train_micro_batch_size_per_gpu": MICROBATCH, "gradient_accumulation_steps": steps,
-           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+           "bf16": {"enabled": precision == "bf16"}}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, dist_init_required=False)
     return engine, (exact(engine) if form == "gradagg" else None)
 
 
 def step(engine: Any, acc: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """One optimizer step of M microbatches, DeepSpeed's way (``acc`` None) or gradagg's."""
+    """One optimizer step of M microbatches, DeepSpeed's way (``acc`` None) or gradagg's; in the engine's dtype,
+    the loss in float32."""
+    dtype = next(engine.module.parameters()).dtype
     if acc is None:
         for x, y in data:
-            engine.backward(nn.functional.mse_loss(engine(x), y))  # DeepSpeed divides by its 8 steps
+            engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))  # DeepSpeed divides by its 8
             engine.step()
         return
     for x, y in data:
         with acc.microbatch(weight=y.numel()):
-            engine.backward(nn.functional.mse_loss(engine(x), y, reduction="sum"))
+            engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y, reduction="sum"))
     engine.step()
 
 
@@ -137,11 +143,11 @@ def timed(engine: Any, acc: Any, data: list[tuple[torch.Tensor, torch.Tensor]]) 
     return time.perf_counter() - start, peak_rss_mib() - before
 
 
-def time_world(repeats: int, widths: list[int]) -> dict[str, Any]:
+def time_world(repeats: int, widths: list[int], precision: str = "float32") -> dict[str, Any]:
     """Both forms in this world, interleaved: 2 warm-up steps each, then ``repeats`` pairs."""
     setup_rank()
     data = make_data(widths)
-    engines = {form: engine_of(form, widths) for form in FORMS}
+    engines = {form: engine_of(form, widths, precision) for form in FORMS}
     out: dict[str, Any] = {f"{form} {what}": [] for form in FORMS for what in ("s", "MiB")}
     for i in range(2 + repeats):
         for form in FORMS if i % 2 == 0 else FORMS[::-1]:
@@ -150,16 +156,16 @@ def time_world(repeats: int, widths: list[int]) -> dict[str, Any]:
                 out[f"{form} s"].append(seconds)
                 out[f"{form} MiB"].append(mib)
     a, b = (list(engines[f][0].module.parameters()) for f in FORMS)
-    out["max_param_diff"] = max(float((p - q).detach().abs().max()) for p, q in zip(a, b, strict=True))
+    out["max_param_diff"] = max(float((p - q).detach().float().abs().max()) for p, q in zip(a, b, strict=True))
     out["params"] = sum(p.numel() for p in a)
     return out
 
 
-def memory_world(form: str, steps: int, widths: list[int]) -> dict[str, float]:
+def memory_world(form: str, steps: int, widths: list[int], precision: str = "float32") -> dict[str, float]:
     """One form alone in this world: peak RSS over a warm-up and ``steps`` steps, and the RSS with the engine built
     before them (the model, its ZeRO partitions and the optimizer; ``deepspeed.initialize`` also imports modules)."""
     setup_rank()
-    engine, acc = engine_of(form, widths)
+    engine, acc = engine_of(form, widths, precision)
     data = make_data(widths)
     base = rss_mib()
     for _ in range(1 + steps):
@@ -191,8 +197,8 @@ def report(t: dict[str, Any], mem: dict[str, list[dict[str, float]]], args: argp
     import deepspeed
 
     return "\n".join(rows) + (
-        f"\n\nModel: MLP {args.widths}, {t['params'] / 1e6:.2f} M parameters, float32, ZeRO-2, 2 gloo ranks x 1 "
-        "thread; "
+        f"\n\nModel: MLP {args.widths}, {t['params'] / 1e6:.2f} M parameters, {args.precision}, ZeRO-2, 2 gloo "
+        "ranks x 1 thread; "
         f"M = {M} microbatches of {MICROBATCH} samples per rank. {args.repeats} interleaved pairs after 2 warm-ups; "
         f"{args.memory_steps} steps after a warm-up in each memory world. The two engines' parameters after the "
         f"timed steps differ by at most {t['max_param_diff']:.1e}. Python {platform.python_version()}, torch "
@@ -207,15 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per form, interleaved (default 15)")
     parser.add_argument("--memory-steps", type=int, default=3, help="steps per memory world (default 3)")
     parser.add_argument("--quick", action="store_true", help="a small model, 2 pairs, 1 memory step: a smoke run")
+    parser.add_argument("--precision", choices=("float32", "bf16"), default="float32",
+                        help="the engines' precision: float32 (default), or DeepSpeed's bf16 (fp32 master weights)")
     args = parser.parse_args(argv)
     args.widths = WIDTHS
     if args.quick:
         args.widths, args.repeats, args.memory_steps = QUICK_WIDTHS, 2, 1
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
-    t = run_local_world(time_world, 2, args.repeats, args.widths, **WORLD)
+    t = run_local_world(time_world, 2, args.repeats, args.widths, args.precision, **WORLD)
     merged = {k: [max(a, b) for a, b in zip(t[0][k], t[1][k], strict=True)] if isinstance(t[0][k], list)
               else max(t[0][k], t[1][k]) for k in t[0]}  # the larger rank's figure (times: equal, barriers)
-    mem = {form: run_local_world(memory_world, 2, form, args.memory_steps, args.widths, **WORLD) for form in FORMS}
+    mem = {form: run_local_world(memory_world, 2, form, args.memory_steps, args.widths, args.precision, **WORLD)
+           for form in FORMS}
     print(report(merged, mem, args, load))
     return 0
 

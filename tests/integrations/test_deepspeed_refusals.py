@@ -1,4 +1,5 @@
-"""What exact() refuses under DeepSpeed, before any engine runs: ZeRO stage 0, fp16 and bf16, for Accelerate's
+"""What exact() refuses under DeepSpeed, before any engine runs: ZeRO stage 0, fp16, bf16 without DeepSpeed's
+overflow check or with fp32 gradient accumulation, for Accelerate's
 DeepSpeed plugin (integrations.accelerate.exact) and the Trainer's ``deepspeed=`` (integrations.transformers).
 
 Stand-ins for the engine and the Trainer's DeepSpeed config, so that this runs without DeepSpeed installed: the
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from gradagg.errors import GradaggError
 from gradagg.integrations import accelerate as integration
@@ -44,14 +46,32 @@ class _Engine:
     def managed_gradient_accumulation(self) -> bool:
         return True
 
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype, torch.float32)
+        return dtype, getattr(self, "accum", dtype)
+
+
+def _bf16(accum: torch.dtype = torch.bfloat16, checked: bool | None = True) -> _Engine:
+    """A bf16 stand-in: its gradient accumulation dtype, and DeepSpeed's ``bf16.check_grad_overflow`` as DeepSpeed
+    0.19.8 keeps it (None: an engine without that private config, whose check cannot be read)."""
+    engine: Any = _Engine(2, "bf16")
+    engine.accum = accum
+    if checked is not None:
+        engine._config = SimpleNamespace(bfloat16_config=SimpleNamespace(check_grad_overflow=checked))
+    return engine
+
 
 DEEPSPEED = SimpleNamespace(distributed_type="DistributedType.DEEPSPEED")
 
 
 @pytest.mark.parametrize(
     ("engine", "fragment"),
-    [(_Engine(0), "ZeRO stage 0 is not supported"), (_Engine(2, "bf16"), "ZeRO stage 2 with fp16 or bf16"),
-     (_Engine(3, "fp16"), "ZeRO stage 3 with fp16 or bf16"), (object(), "model is a object, not the DeepSpeedEngine")],
+    [(_Engine(0), "ZeRO stage 0 is not supported"),
+     (_Engine(3, "fp16"), "fp16 is not supported (DeepSpeed's loss scaling under exact() is untested"),
+     (_bf16(checked=None), "bf16 with bf16.check_grad_overflow false (or unreadable) would step"),
+     (_bf16(checked=False), "bf16 with bf16.check_grad_overflow false (or unreadable) would step"),
+     (_bf16(accum=torch.float32), "bf16 with data_types.grad_accum_dtype float32 is not supported"),
+     (object(), "model is a object, not the DeepSpeedEngine")],
 )
 def test_accelerate_refuses_what_deepspeeds_accumulator_cannot_make_exact(engine: Any, fragment: str) -> None:
     with pytest.raises(GradaggError, match="under DeepSpeed") as caught:

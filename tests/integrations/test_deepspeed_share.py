@@ -1,6 +1,6 @@
 """DeepSpeed's wrapper hands each rank's gradient sum to DeepSpeed's average divided by its share of the divisor,
 D / world (D where DeepSpeed sums), by the one divisor rule (``counting.divisor_problem``): a share float32 cannot
-divide by is refused.
+divide by is refused; for a bf16 engine, the window is summed in float32 and rounded to bf16 once.
 
 No DeepSpeed needed: :meth:`DeepSpeedZero.hand_out` reads only the window's world and the parameter. The refusal on
 every rank of a real engine is ``test_deepspeed.py::test_a_share_float32_cannot_divide_by_is_refused_on_every_rank``.
@@ -8,6 +8,7 @@ every rank of a real engine is ``test_deepspeed.py::test_a_share_float32_cannot_
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,3 +77,28 @@ def test_where_deepspeed_sums_a_divisor_the_dtype_cannot_divide_by_is_refused_na
     with pytest.raises(WindowError, match=r"DeepSpeed sums over the ranks, so each rank's gradient sum is divided by "
                                           r"D = 100000\.0, which is beyond what float16 sums can be divided by"):
         DeepSpeedZero(None, 1, averages=False).hand_out(SimpleNamespace(world=2, rank=1), 0, p, 1e5, True)  # type: ignore[arg-type]
+
+
+def test_bf16_gradients_are_summed_in_float32_and_rounded_once() -> None:
+    """A bf16 parameter (DeepSpeed's bf16 engine) gets 256, then 1 sixteen times, one per microbatch: a bf16 running
+    sum stays at 256 (256 + 1 rounds back to 256 in bf16's 8 bits), the wide wrapper's float32 sum is 272, and the
+    handed-out gradient is 272 / (D / world) rounded to bf16 once; the sums are gone after the hand-out, and a
+    dropped window forgets them."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    state: Any = SimpleNamespace(world=2, rank=0, tensors=[p])
+    wrapper = DeepSpeedZero(None, 1, wide=True)
+    wrapper.block = contextlib.ExitStack()  # the window's block, open (no engine: nothing to enter)
+    narrow = torch.zeros(2, dtype=torch.bfloat16)
+    for value in [256.0] + [1.0] * 16:
+        p.grad = torch.full((2,), value, dtype=torch.bfloat16)
+        narrow += p.grad
+        wrapper.after_microbatch(state)
+        assert p.grad is None
+    assert narrow.tolist() == [256.0, 256.0]
+    wrapper.hand_out(state, 0, p, 34.0, True)  # D = 34 over 2 ranks: the share is 17, and 272 / 17 = 16
+    assert p.grad is not None and p.grad.dtype == torch.bfloat16 and p.grad.tolist() == [16.0, 16.0]
+    assert wrapper.sums == {}
+    p.grad = torch.ones(2, dtype=torch.bfloat16)
+    wrapper.after_microbatch(state)
+    wrapper.discard(state)
+    assert wrapper.sums == {} and wrapper.block is None

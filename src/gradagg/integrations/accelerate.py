@@ -36,7 +36,8 @@ as ``model``), and the same loop is exact with ``accelerator.backward(loss_sum)`
 inside the backward of its sync microbatch, which closes the window there; DeepSpeed clips the exact gradient
 (``gradient_clipping`` in its config) and ``accelerator.clip_grad_norm_`` returns the norm it measured. A plain
 ``loss_sum.backward()`` bypasses the engine and is wrong there. ZeRO-3 needs as many microbatches on every rank
-(Accelerate's default ``even_batches``). fp16, bf16, ZeRO stage 0 and Megatron-LM are refused.
+(Accelerate's default ``even_batches``). bf16 (``mixed_precision="bf16"``) is exact within bf16's round-off; fp16,
+ZeRO stage 0 and Megatron-LM are refused.
 
 Accelerate is imported by the caller; this module imports it only for type names, lazily.
 """
@@ -122,7 +123,7 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
         GradaggError: ``optimizer`` is not one ``accelerator.prepare`` returned (nor a non-empty list of them); two
             optimizers sharing a parameter (naming both); under DeepSpeed, ``model`` not
             its engine, options given, or what :func:`gradagg.integrations.deepspeed.exact` refuses (ZeRO stage 0,
-            fp16, bf16, pipeline or tensor parallelism); Megatron-LM, which runs its own backward and
+            fp16, some bf16 configs, pipeline or tensor parallelism); Megatron-LM, which runs its own backward and
             accumulation; several processes in the environment but no
             process group (Accelerate without ``cpu=True`` on a CPU machine under ``torchrun``: the accumulator's
             own check, see :func:`gradagg.torch.collectives.check_launcher_world`).

@@ -54,8 +54,18 @@ acc.microbatch(weight=n): accelerator.backward(loss_sum)``: Accelerate calls ``e
 its sync microbatch, which ends that microbatch and closes the window there; a Hugging Face ``Trainer`` with
 ``deepspeed=`` goes the same way under ``gradagg.integrations.transformers.exact(trainer)``.
 
+* **bf16** (``"bf16": {"enabled": true}``): DeepSpeed's parameters, and so the ``.grad`` its block keeps local,
+  are bf16; the wrapper adds each microbatch's gradient into a float32 sum of the window and rounds it to bf16 once,
+  divided, for DeepSpeed's reduction (see :mod:`gradagg.torch.accumulate.wrappers.deepspeed`). A non-finite
+  gradient on any rank reaches every rank through that reduction, and DeepSpeed's bf16 overflow check skips the
+  step on every rank: ``acc.ledger`` is then a :class:`DeepSpeedLedger` with ``step_applied`` False. Refused at
+  :func:`exact`, naming what works: fp16 (DeepSpeed's CPU accelerator has none, so its loss scaling under
+  ``exact()`` is untested), bf16 with ``data_types.grad_accum_dtype`` other than bf16 (ZeRO-1 then runs DeepSpeed's
+  ``BF16_Optimizer``, which has no ``coalesce_grad_reduction()``), bf16 with ``bf16.check_grad_overflow`` false.
+
 Memory: inside the window every rank holds the full local gradient of every parameter (DeepSpeed's coalesced
-reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition.
+reduction), where ZeRO-2 and -3 on their own reduce-scatter each microbatch and keep only their partition; in bf16
+also the window's float32 sums.
 DeepSpeed is imported by the caller; this module does not import it.
 """
 
@@ -63,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -81,6 +92,34 @@ from gradagg.torch.accumulate.wrappers.padding import Pad
 from gradagg.torch.collectives import Group, all_reduce_sum, device_for, get_world_size
 
 
+@dataclass(frozen=True)
+class DeepSpeedLedger(Ledger):
+    """A window's :class:`Ledger`, and whether DeepSpeed's ``engine.step()`` applied it.
+
+    Attributes:
+        step_applied: False where DeepSpeed skipped the step (its bf16 overflow check found a non-finite gradient
+            after the reduction: it all-reduces that flag, so every rank skips, and the window is dropped); None
+            before ``engine.step()`` or where the engine cannot say (no ``was_step_applied()``).
+    """
+
+    step_applied: bool | None = None
+
+    @classmethod
+    def after_step(cls, ledger: Ledger, engine: Any) -> DeepSpeedLedger:
+        """``ledger`` with what DeepSpeed's public ``engine.was_step_applied()`` said after the step."""
+        asked = getattr(engine, "was_step_applied", None)
+        applied = bool(asked()) if callable(asked) else None
+        return cls(**{f.name: getattr(ledger, f.name) for f in fields(Ledger)}, step_applied=applied)
+
+    def report(self) -> str:
+        """:meth:`Ledger.report`, and a line saying whether DeepSpeed applied the step."""
+        if self.step_applied is None:
+            return super().report()
+        said = "applied" if self.step_applied else ("skipped on every rank (non-finite gradients after the "
+                                                    "reduction: DeepSpeed's overflow check); the window is dropped")
+        return f"{super().report()}\nDeepSpeed's step: {said}"
+
+
 class DeepSpeedAccumulator(MicrobatchAccumulator):
     """Windows of a DeepSpeed ZeRO engine whose divisor is counted on all ranks. Made by :func:`exact`."""
 
@@ -88,7 +127,7 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         """Wrap ``engine.step`` and ``engine.backward`` (see the module's docstring).
 
         Args:
-            engine: a ZeRO stage 1, 2 or 3 float32 ``DeepSpeedEngine``, any ``gradient_accumulation_steps``.
+            engine: a ZeRO stage 1, 2 or 3 float32 or bf16 ``DeepSpeedEngine``, any ``gradient_accumulation_steps``.
 
         Raises:
             GradaggError: see :func:`exact`.
@@ -116,7 +155,8 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
 
         def choose(params: Params, group: Group, span: Any) -> Choice:
             def make() -> Wrapper:
-                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average))
+                return DeepSpeedZero(engine, len(params.tensors), averages=bool(engine.gradient_average),
+                                     wide=bool(engine.bfloat16_enabled()))
 
             return Choice(group, span, make)
 
@@ -166,7 +206,8 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
 
     @property
     def ledger(self) -> Ledger | None:  # type: ignore[override]
-        """What the last finished window counted (None before the first)."""
+        """What the last finished window counted (None before the first); after its ``engine.step()``, a
+        :class:`DeepSpeedLedger`, saying whether DeepSpeed applied the step."""
         return self._state.last
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
@@ -195,7 +236,11 @@ class DeepSpeedAccumulator(MicrobatchAccumulator):
         # (Accelerate sets it False on every microbatch but the last), and a step skipped on a boundary False would
         # leave the reduced gradients for the next window's flush to add to.
         self._set_boundary(True)
-        return self._step(*args, **kwargs)
+        out = self._step(*args, **kwargs)
+        last = self._state.last
+        if last is not None:
+            self._state.last = DeepSpeedLedger.after_step(last, self._engine)
+        return out
 
     def _wrapped_set_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's ``set_gradient_accumulation_boundary``, its last value before ``engine.step()`` recorded."""
@@ -253,14 +298,15 @@ def exact(engine: Any) -> DeepSpeedAccumulator:
     """The accumulator for a DeepSpeed ZeRO engine: its windows close at ``engine.step()``, divided by the weights.
 
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``) with ZeRO stage 1, 2 or 3, float32,
-            data parallelism only; any ``gradient_accumulation_steps`` (each ``engine.step()`` ends a window).
+        engine: a ``deepspeed.DeepSpeedEngine`` (from ``deepspeed.initialize``) with ZeRO stage 1, 2 or 3, float32
+            or bf16, data parallelism only; any ``gradient_accumulation_steps`` (each ``engine.step()`` ends a window).
 
     Returns:
         A :class:`DeepSpeedAccumulator`; run each microbatch's backward in its ``microbatch(weight=...)``.
 
     Raises:
-        GradaggError: naming what is unsupported: ZeRO stage 0, fp16 or bf16, pipeline, tensor or sequence
+        GradaggError: naming what is unsupported: ZeRO stage 0, fp16, bf16 with ``data_types.grad_accum_dtype``
+            other than bf16 or with ``bf16.check_grad_overflow`` false, pipeline, tensor or sequence
             parallelism, a DeepSpeed without ``coalesce_grad_reduction`` (before 0.19) or without the engine's
             ``gradient_average`` flag.
 
@@ -282,8 +328,9 @@ def _unsupported(engine: Any) -> str | None:
     if stage not in (1, 2, 3):
         return (f"ZeRO stage {stage} is not supported: DeepSpeed's coalesce_grad_reduction(), which keeps a window's "
                 "gradients local, needs ZeRO stage 1, 2 or 3")
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
-        return f"ZeRO stage {stage} with fp16 or bf16 is not supported yet: gradagg is verified with float32 only"
+    problem = _precision_problem(engine, stage)
+    if problem is not None:
+        return problem
     if getattr(engine, "pipeline_parallelism", False) or not engine.managed_gradient_accumulation():
         return "pipeline parallelism and managed_gradient_accumulation=false are not supported"
     if not isinstance(getattr(engine, "gradient_average", None), bool):
@@ -296,4 +343,37 @@ def _unsupported(engine: Any) -> str | None:
     return None
 
 
-__all__ = ["DeepSpeedAccumulator", "exact"]
+def _precision_problem(engine: Any, stage: int) -> str | None:
+    """Why the engine's precision is refused (one line, naming what works), or None: float32, and bf16 with
+    DeepSpeed's ZeRO optimizer and its overflow check."""
+    if engine.fp16_enabled():
+        # DeepSpeed's CPU accelerator refuses fp16, so its dynamic loss scaling under exact() could not be tested
+        return ("fp16 is not supported (DeepSpeed's loss scaling under exact() is untested: its CPU accelerator has "
+                "no fp16); use bf16 (\"bf16\": {\"enabled\": true}), or torch.amp fp16 with a GradScaler")
+    if not engine.bfloat16_enabled():
+        return None
+    _, accum = engine.get_data_types()
+    if accum != torch.bfloat16:
+        # ZeRO-1 then runs DeepSpeed's BF16_Optimizer, which has no coalesce_grad_reduction(); ZeRO-2 and -3 are
+        # not tested with it. gradagg's own window sum is float32 either way
+        return (f"bf16 with data_types.grad_accum_dtype {str(accum).removeprefix('torch.')} is not supported; leave "
+                "grad_accum_dtype unset: exact() keeps the window's sum in float32 itself")
+    if _overflow_checked(engine) is not True:
+        return ("bf16 with bf16.check_grad_overflow false (or unreadable) would step on a non-finite gradient; leave "
+                "it true (DeepSpeed's default), which skips such a step on every rank")
+    return None
+
+
+def _overflow_checked(engine: Any) -> bool | None:
+    """Whether DeepSpeed skips a bf16 step whose gradients are not finite (None: unknown).
+
+    DeepSpeed 0.19.8 reads ``bf16.check_grad_overflow`` back only from its private parsed config
+    (``engine._config.bfloat16_config``); with it off, its ZeRO bf16 step applies a non-finite gradient, with it on
+    (the default) the overflow flag is all-reduced and the step skipped on every rank. Where that private path is
+    gone, the answer is None and the engine is refused (tested with an engine without it).
+    """
+    value = getattr(getattr(getattr(engine, "_config", None), "bfloat16_config", None), "check_grad_overflow", None)
+    return value if isinstance(value, bool) else None
+
+
+__all__ = ["DeepSpeedAccumulator", "DeepSpeedLedger", "exact"]

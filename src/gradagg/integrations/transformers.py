@@ -457,9 +457,10 @@ def _deepspeed_problems(trainer: Any) -> list[str]:
     if stage not in (1, 2, 3):
         problems.append(f"DeepSpeed ZeRO stage {stage} (gradagg needs ZeRO stage 1, 2 or 3: its "
                         "coalesce_grad_reduction, which keeps a window's gradients local, needs one)")
-    for dtype in ("fp16", "bf16"):
+    for dtype, why in (("fp16", "exact(engine) refuses DeepSpeed's fp16"),
+                       ("bf16", "not yet tested under the Trainer; exact(engine) and Accelerate's plugin take it")):
         if config.is_true(f"{dtype}.enabled") or getattr(trainer.args, dtype, False):
-            problems.append(f"DeepSpeed with {dtype} (gradagg is verified with float32 only)")
+            problems.append(f"DeepSpeed with {dtype} ({why}; use float32 with the Trainer under DeepSpeed)")
     if check_trl(trainer) is not None:
         problems.append(f"a TRL {type(trainer).__name__} under DeepSpeed (not tested)")
     return problems

@@ -13,6 +13,12 @@ dividing by a normal float32 rounds once, as the flat buffer's division by D doe
 ``world / D`` lost bits when that factor fell near float32's smallest normal and overflowed beyond its largest.
 A dropped window hands DeepSpeed zeros and exits the block, so its reduction still runs on every rank.
 
+In bf16 (``wide``) the parameters, and so autograd's ``.grad`` that DeepSpeed's block keeps local, are bf16: left
+there, every backward of the window would add into a bf16 sum, which loses a small gradient beside a large one
+(256 + 1 = 256 in bf16's 8 bits). So at the end of each microbatch each ``.grad`` is added into a float32 sum of
+the window and set to None, and at ``finish()`` the float32 sum is divided by the share and rounded to bf16 once,
+for DeepSpeed's reduction: the window's sum is never held in bf16.
+
 DeepSpeed is never imported here: the engine is the caller's (see :mod:`gradagg.integrations.deepspeed`).
 """
 
@@ -37,22 +43,46 @@ class DeepSpeedZero(Plain):
         n_params: how many parameters the accumulator holds (all of them external).
         averages: whether DeepSpeed's reduction averages over the ranks (its default) or sums them
             (``"gradient_allreduce_op": "sum"``): each rank's share of D is then D / world, or D.
+        wide: keep the window's sums in float32 (a bf16 engine), handed to DeepSpeed in the gradients' dtype.
     """
 
     name = "deepspeed"
 
-    def __init__(self, engine: Any, n_params: int, averages: bool = True) -> None:
+    def __init__(self, engine: Any, n_params: int, averages: bool = True, wide: bool = False) -> None:
         super().__init__()
         self.engine = engine
         self.averages = averages
+        self.wide = wide
         self.external = frozenset(range(n_params))
         self.block: contextlib.ExitStack | None = None  # the window's coalesce_grad_reduction(), while open
+        self.sums: dict[int, torch.Tensor] = {}  # wide: parameter -> this rank's float32 sum of the window
 
     def open(self, state: State) -> None:
         if self.block is None:
             stack = contextlib.ExitStack()
             stack.enter_context(self.engine.coalesce_grad_reduction())
             self.block = stack
+
+    def after_microbatch(self, state: State) -> None:
+        self._widen(state)
+
+    def prepare(self, state: State, ran: bool) -> None:
+        self._widen(state)  # Accelerate steps inside its sync microbatch: that backward's .grad is still there
+
+    def _widen(self, state: State) -> None:
+        """Wide: each ``.grad`` this window's backwards left, added into its float32 sum, then None."""
+        if not self.wide or self.block is None:
+            return
+        for i, t in enumerate(state.tensors):
+            g = t.grad
+            if g is None:
+                continue
+            total = self.sums.get(i)
+            if total is None:
+                self.sums[i] = g.detach().to(torch.float32, copy=True)
+            else:
+                total.add_(g.detach())  # promoted: the addition rounds in float32
+            t.grad = None
 
     def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
         """Divide ``t``'s local gradient by its share of D (zeros where it has none): ``D / world`` where DeepSpeed
@@ -63,13 +93,17 @@ class DeepSpeedZero(Plain):
                 the share; the caller drops the window (:meth:`discard`).
         """
         share = divisor / state.world if self.averages else divisor
-        problem = divisor_problem(share, t.dtype)
+        total = self.sums.pop(i, None)
+        problem = divisor_problem(share, torch.float32 if self.wide else t.dtype)
         if problem is not None:
             how = "averages over the ranks, so each rank's gradient sum is divided by D / world" if self.averages \
                 else "sums over the ranks, so each rank's gradient sum is divided by D"
             raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r} over {state.world} "
                               f"ranks: DeepSpeed {how} = {share!r}, which {problem}; nothing was stepped")
-        _divide_or_fill(t, share)
+        if total is None:
+            _divide_or_fill(t, share)
+        else:  # divided in float32, then rounded once to the gradients' dtype
+            _set_grad(t, total.div_(share).to(t.dtype))
 
     def close(self, state: State) -> None:
         block, self.block = self.block, None
@@ -77,6 +111,7 @@ class DeepSpeedZero(Plain):
             block.close()  # DeepSpeed's flush: its one reduction of the window, averaged over the ranks
 
     def discard(self, state: State) -> None:
+        self.sums = {}
         if self.block is None:
             return
         for t in state.tensors:
@@ -102,12 +137,16 @@ def _divide_or_fill(p: torch.Tensor, share: float | None) -> None:
             p.grad.div_(share)
         return
     shape = tuple(getattr(p, "ds_shape", p.shape))
-    zeros = torch.zeros(shape, dtype=p.dtype, device=p.device)
-    if tuple(p.shape) == shape:
-        p.grad = zeros
+    _set_grad(p, torch.zeros(shape, dtype=p.dtype, device=p.device))
+
+
+def _set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """``p.grad = grad``, also where ``p`` holds an empty ZeRO-3 partition (see :func:`_divide_or_fill`)."""
+    if tuple(p.shape) == tuple(grad.shape):
+        p.grad = grad
     else:
         p.grad = torch.zeros_like(p)
-        p.grad.data = zeros
+        p.grad.data = grad
 
 
 __all__ = ["DeepSpeedZero"]
