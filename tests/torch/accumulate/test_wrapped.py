@@ -25,6 +25,15 @@ def test_a_wrapper_the_accumulator_was_not_given_is_refused_on_every_rank(kind: 
         assert "give the accumulator the wrapped module" in said, said
 
 
+@pytest.mark.parametrize("when", ["after", "inner"])
+def test_a_deepspeed_engine_the_accumulator_was_not_given_is_refused_on_every_rank(when: str) -> None:
+    """ZeRO-2 around the model (after the accumulator was built, or the accumulator given ``engine.module``): the
+    fix named is gradagg.integrations.deepspeed.exact(engine)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -r requirements-dev.txt)")
+    for said in run_local_world(wrapped.wrapped_world, 2, "DeepSpeed", when, **WORLD):
+        assert said.startswith("GradaggError: rank ") and "(DeepSpeed)" in said and "exact(engine)" in said, said
+
+
 def test_the_module_inside_fsdp1_is_refused_without_fsdp1s_private_mark_too() -> None:
     """The fallback where FSDP1's private ``_fsdp_flattened`` mark is missing: the ranks' pieces differ, and the
     layout check refuses them on every rank at construction."""

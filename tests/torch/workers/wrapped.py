@@ -31,6 +31,17 @@ def _wrap(kind: str, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return FSDP(model, use_orig_params=False, device_id=cpu)
+    if kind == "DeepSpeed":
+        import deepspeed
+
+        from tests.integrations.workers.deepspeed_zero import launcher
+
+        launcher()  # a launcher's variables, and no compiled shared-memory op
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
+        return engine  # type: ignore[no-any-return]
     if kind == "FSDP2":
         from torch.distributed.fsdp import fully_shard
 
