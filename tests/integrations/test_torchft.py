@@ -172,6 +172,19 @@ def test_a_joining_group_heals(async_quorum: bool) -> None:
     assert any(r.participating and r.committed for r in reports(every[1]))
 
 
+def test_min_replica_size_is_honoured() -> None:
+    """``min_replica_size=2`` and group 1 dying in its second window: group 0, alone, never commits again; each of
+    its windows is dropped (should_commit() False: too few groups) and re-fed, so nothing is applied twice."""
+    plan = Plan(groups=2, steps=2, fail=(1, 1), min_replica_size=2)
+    every = run(plan, min_replicas=1)
+    applied = check_run(every, plan)
+    assert sorted(applied) == [0]
+    alone = reports(every[0])[1:]
+    assert len(alone) == 4 * plan.steps - 1 and not any(r.committed for r in alone)
+    assert all(r.skipped == r.keys for r in alone) and "should_commit" in alone[-1].reason
+    assert every[0][-1]["unconsumed"][0] == alone[-1].keys[0]  # the last dropped window, re-fed first
+
+
 def test_short_and_empty_last_windows() -> None:
     """Group 0 holds 2 samples (windows of 1, 1, then none), group 1 holds 5 (2, 2, then a short 1): the empty
     group sends zeros and the last step is the token mean of group 1's one microbatch."""

@@ -294,7 +294,7 @@ class ReplicaGroups:
             return self._drop(made, "should_commit() was False")
         keys = made["keys"]
         healing = not made["participating"] and keys
-        reason = "healing: this group's data sat the step out (sent as zeros)" if healing else ""
+        reason = "not participating (healing, or a spare): this group's data sat the step out" if healing else ""
         return self._keep(StepReport(committed=True, skipped=keys if reason else (), reason=reason, **made))
 
     def _drop(self, made: dict[str, Any], why: str) -> StepReport:
