@@ -92,8 +92,9 @@ def ft_world(lighthouse: str, ports: list[int], coord: int, plan: Plan) -> list[
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     timeout = datetime.timedelta(seconds=plan.timeout_s)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=plan.min_replica_size, load_state_dict=net.load_state_dict,
-        state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1", store_port=ports[g], rank=r,
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=plan.min_replica_size,
+        load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
+        store_port=ports[g], rank=r,
         world_size=plan.ranks, lighthouse_addr=lighthouse, use_async_quorum=plan.async_quorum, init_sync=False,
         timeout=timeout, quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
     )
