@@ -127,15 +127,20 @@ def flatten(tensors: list[torch.Tensor], divisor: float) -> Flats:
     >>> flatten([w, torch.zeros(1, requires_grad=True)], 4.0).buffers
     {(torch.float32, device(type='cpu')): tensor([2., 4., 0.])}
     """
-    parts: dict[Key, list[torch.Tensor]] = {}
+    sizes: dict[Key, int] = {}
     where: list[tuple[Key, int, int]] = []
     for t in tensors:
-        key = (t.dtype, t.device)
-        chunk = parts.setdefault(key, [])
-        g = _local(t.grad) if t.grad is not None else torch.zeros_like(_local(t.detach()))
-        where.append((key, sum(c.numel() for c in chunk), g.numel()))
-        chunk.append(g.reshape(-1) * divisor)
-    return Flats({k: torch.cat(v) for k, v in parts.items()}, where)
+        key, n = (t.dtype, t.device), _local(t.detach()).numel()
+        where.append((key, sizes.get(key, 0), n))
+        sizes[key] = sizes.get(key, 0) + n
+    buffers = {k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+    for t, (key, start, n) in zip(tensors, where):
+        out = buffers[key][start:start + n]
+        if t.grad is None:
+            out.zero_()
+        else:  # one pass: the product written straight into the buffer
+            torch.mul(_local(t.grad).reshape(-1), divisor, out=out)
+    return Flats(buffers, where)
 
 
 def install(tensors: list[torch.Tensor], flats: Flats, divisor: float, participation: list[float]) -> None:
