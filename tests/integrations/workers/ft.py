@@ -131,6 +131,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
         torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
         for i, key in enumerate(ft.microbatches(window)):
             if plan.fail == (g, it) and i == 1:
+                manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
                 report = ft.abandon("injected failure: this group died mid-window")
                 records.append(_record(report, start, net, None, it))
                 records.append({"unconsumed": window[i:] + list(queue), "lost": list(report.skipped)})
