@@ -32,7 +32,7 @@ TOLERANCE = 1e-6
 def run(plan: Plan, *, min_replicas: int) -> list[list[dict[str, Any]]]:
     """Run ``plan``; every rank's records (a rank that raised fails the test, with its traceback)."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
-                                  heartbeat_timeout_ms=1000)
+                                  heartbeat_timeout_ms=2000)
     stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(plan.groups)]
     coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))

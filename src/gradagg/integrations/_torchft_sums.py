@@ -113,12 +113,15 @@ class Flats:
     where: list[tuple[Key, int, int]]
 
 
-def flatten(tensors: list[torch.Tensor], divisor: float) -> Flats:
+def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = None) -> Flats:
     """Each parameter's gradient times ``divisor`` (its group's SUM again), zeros where it has none, concatenated.
 
     Args:
         tensors: the accumulator's parameters.
         divisor: the group's ``D_g``, what its ``finish()`` divided by.
+        reuse: the last window's buffers, written over when they fit (a fresh large buffer costs a page fault per
+            page on its first write, every window; the gradients handed out from them were dropped before this
+            window opened, as the accumulator requires).
 
     Returns:
         The :class:`Flats`, new tensors (the gradients are not changed).
@@ -133,7 +136,9 @@ def flatten(tensors: list[torch.Tensor], divisor: float) -> Flats:
         key, n = (t.dtype, t.device), _local(t.detach()).numel()
         where.append((key, sizes.get(key, 0), n))
         sizes[key] = sizes.get(key, 0) + n
-    buffers = {k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+    fits = reuse is not None and reuse.where == where
+    buffers = reuse.buffers if reuse is not None and fits else {
+        k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
     for t, (key, start, n) in zip(tensors, where):
         out = buffers[key][start:start + n]
         if t.grad is None:

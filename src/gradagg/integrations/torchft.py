@@ -43,8 +43,9 @@ locally calls :meth:`ReplicaGroups.abandon` to report its own window before leav
 
 Not covered: ``terms=`` accumulators (each loss term divided by its own count cannot be re-divided: refused) and
 ``divisors()`` ("divided ahead": refused on every group); FSDP2 and HSDP inside a group are untested. Memory: one
-gradient-sized buffer per window (the flat SUM that travels). This module imports neither torchft nor anything of
-it: the manager is the caller's.
+gradient-sized buffer (the flat SUM that travels), kept between windows; a committed step's gradients are views of
+it, dropped (``zero_grad()``) before the next window as the accumulator requires. This module imports nothing of
+torchft: the manager is the caller's.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class ReplicaGroups:
         self.manager, self.accumulator, self.group = manager, accumulator, group
         self.history: list[StepReport] = []
         self._keys: list[Hashable] = []
+        self._flats: sums.Flats | None = None  # the window's SUM, its buffers kept for the next window
 
     @contextlib.contextmanager
     def microbatch(self, weight: object = None, *, key: Hashable = None, last: bool = False) -> Iterator[Microbatch]:
@@ -206,7 +208,7 @@ class ReplicaGroups:
         step = self.manager.current_step()
         counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots,
                              self.manager.participating_rank())
-        flats = sums.flatten(self.accumulator.state.tensors, mine.divisor)
+        flats = self._flats = sums.flatten(self.accumulator.state.tensors, mine.divisor, self._flats)
         works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in [*flats.buffers.values(), counts]]
         for work in works:
             work.wait()
