@@ -23,7 +23,7 @@ def test_import_gradagg_loads_no_heavy_framework() -> None:
 
 def test_integrations_package_imports_no_framework() -> None:
     """`import gradagg.integrations` imports no training framework: each module imports its own when used."""
-    heavy = ("torch", "transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "torchtitan")
+    heavy = ("torch", "transformers", "accelerate", "lightning", "pytorch_lightning", "trl", "torchtitan", "torchft")
     code = f"import sys, gradagg.integrations; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,0 +1,178 @@
+"""What travels in torchft's all-reduce for :mod:`gradagg.integrations.torchft`, and what comes back out of it.
+
+Two kinds of tensor, each summed over the replica groups (``ReduceOp.SUM``; torchft zeroes both for a group that
+does not take part in the step):
+
+* the gradient SUM, one flat buffer per (dtype, device): each group's finished gradient times its own divisor
+  ``D_g``, zeros where the group gave a parameter no gradient (absent adds nothing: the token mean counts it as 0);
+* the COUNTS, float64 (a float32 count is no longer exact beyond 2**24 tokens): per quorum slot the group's weight
+  and microbatches, one flag per weighting, and each parameter's participation. The slot (torchft's
+  ``participating_rank()``) lets every group read every contributing group's counts after the sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gradagg.errors import WindowError
+
+NONE, WEIGHTED, UNWEIGHTED, OTHER = -1, 0, 1, 2
+"""How a group counted its window: NONE (ran nothing: no flag), with weights, without, or another way
+(``divisors()``, refused). The last three are the flags that travel, summed over the groups."""
+_FLAGS = 3
+_NAMES = ("with weights", "without weights", "divided ahead (divisors())")
+
+Key = tuple[torch.dtype, torch.device]
+
+
+def counts(m: int, weight: float, mode: int, participation: list[float], slots: int,
+           slot: int | None) -> torch.Tensor:
+    """The group's counts laid out for the sum: ``[weight per slot, microbatches per slot, flags, participation]``.
+
+    Args:
+        m: the group's microbatches; weight: their total weight (0 without weights).
+        mode: WEIGHTED, UNWEIGHTED, OTHER or NONE.
+        participation: per parameter, the microbatches in which it got a gradient (over the group).
+        slots: ``manager.num_participants()``; slot: ``manager.participating_rank()`` (None: not taking part).
+
+    Returns:
+        A float64 tensor, all zeros when ``slot`` is None.
+
+    >>> counts(2, 7.0, WEIGHTED, [2.0], slots=2, slot=1).tolist()
+    [0.0, 7.0, 0.0, 2.0, 1.0, 0.0, 0.0, 2.0]
+    """
+    out = torch.zeros(2 * slots + _FLAGS + len(participation), dtype=torch.float64)
+    if slot is None:
+        return out
+    out[slot], out[slots + slot] = weight, m
+    if mode != NONE:
+        out[2 * slots + mode] = 1
+    out[2 * slots + _FLAGS:] = torch.tensor(participation, dtype=torch.float64)
+    return out
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The summed counts, read back (the same on every group).
+
+    >>> t = Totals.of(torch.tensor([3.0, 4.0, 1.0, 2.0, 2.0, 0.0, 0.0, 1.0], dtype=torch.float64), slots=2)
+    >>> t.divisor, t.microbatches, t.per_slot(), t.participation
+    (7.0, 3, (3.0, 4.0), [1.0])
+    """
+
+    weights: tuple[float, ...]
+    per_group_m: tuple[int, ...]
+    flags: tuple[int, ...]
+    participation: list[float]
+
+    @classmethod
+    def of(cls, summed: torch.Tensor, slots: int) -> Totals:
+        """Read ``summed`` (laid out by :func:`counts`) for ``slots`` quorum slots."""
+        v = summed.tolist()
+        return cls(tuple(v[:slots]), tuple(int(x) for x in v[slots:2 * slots]),
+                   tuple(int(x) for x in v[2 * slots:2 * slots + _FLAGS]), v[2 * slots + _FLAGS:])
+
+    @property
+    def mode(self) -> int:
+        return WEIGHTED if self.flags[WEIGHTED] else UNWEIGHTED
+
+    @property
+    def microbatches(self) -> int:
+        return sum(self.per_group_m)
+
+    @property
+    def weight(self) -> float:
+        return sum(self.weights)
+
+    @property
+    def divisor(self) -> float:
+        """The total weight with weights, the total microbatches without."""
+        return self.weight if self.mode == WEIGHTED else float(self.microbatches)
+
+    def per_slot(self) -> tuple[float, ...]:
+        """What each contributing slot counted: its weight with weights, its microbatches without."""
+        return self.weights if self.mode == WEIGHTED else tuple(float(m) for m in self.per_group_m)
+
+    def problem(self, group: str) -> WindowError | None:
+        """Groups that counted differently: no divisor is right for all of them (the same answer on every group)."""
+        used = [f"{n} groups {_NAMES[i]}" for i, n in enumerate(self.flags) if n]
+        if self.flags[OTHER] or (self.flags[WEIGHTED] and self.flags[UNWEIGHTED]):
+            return WindowError(f"group {group}: the replica groups counted their windows differently "
+                               f"({', '.join(used)}); weight every microbatch on every group, or none, and do not "
+                               "use divisors() across replica groups")
+        return None
+
+
+@dataclass
+class Flats:
+    """The gradient SUM, one flat buffer per (dtype, device), and where each parameter lies in it."""
+
+    buffers: dict[Key, torch.Tensor]
+    where: list[tuple[Key, int, int]]
+
+
+def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = None) -> Flats:
+    """Each parameter's gradient times ``divisor`` (its group's SUM again), zeros where it has none, concatenated.
+
+    Args:
+        tensors: the accumulator's parameters.
+        divisor: the group's ``D_g``, what its ``finish()`` divided by.
+        reuse: the last window's buffers, written over when they fit (a fresh large buffer costs a page fault per
+            page on its first write, every window; the gradients handed out from them were dropped before this
+            window opened, as the accumulator requires).
+
+    Returns:
+        The :class:`Flats`, new tensors (the gradients are not changed).
+
+    >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([0.5, 1.0])
+    >>> flatten([w, torch.zeros(1, requires_grad=True)], 4.0).buffers
+    {(torch.float32, device(type='cpu')): tensor([2., 4., 0.])}
+    """
+    sizes: dict[Key, int] = {}
+    where: list[tuple[Key, int, int]] = []
+    for t in tensors:
+        key, n = (t.dtype, t.device), _local(t.detach()).numel()
+        where.append((key, sizes.get(key, 0), n))
+        sizes[key] = sizes.get(key, 0) + n
+    fits = reuse is not None and reuse.where == where
+    buffers = reuse.buffers if reuse is not None and fits else {
+        k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
+    for t, (key, start, n) in zip(tensors, where):
+        out = buffers[key][start:start + n]
+        if t.grad is None:
+            out.zero_()
+        else:  # one pass: the product written straight into the buffer
+            torch.mul(_local(t.grad).reshape(-1), divisor, out=out)
+    return Flats(buffers, where)
+
+
+def install(tensors: list[torch.Tensor], flats: Flats, divisor: float, participation: list[float]) -> None:
+    """Divide the summed buffers once by ``divisor``; hand each parameter its view (None where no group had one).
+
+    Args:
+        tensors: the accumulator's parameters, in the order of :func:`flatten`.
+        flats: the buffers after the all-reduce.
+        divisor: the step's divisor (the total weight, or microbatches).
+        participation: per parameter, in how many microbatches of all groups it got a gradient.
+    """
+    for buf in flats.buffers.values():
+        buf.div_(divisor)
+    for t, (key, start, n), p in zip(tensors, flats.where, participation):
+        view = flats.buffers[key][start:start + n]
+        if p == 0:
+            t.grad = None
+        elif t.grad is not None and t.grad is not _local(t.grad):  # a DTensor: its local shard, in place
+            _local(t.grad).copy_(view.view_as(_local(t.grad)))
+        else:
+            t.grad = view.view_as(t)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its public ``to_local()``), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()  # type: ignore[no-any-return]
+
+
+__all__ = ["NONE", "OTHER", "UNWEIGHTED", "WEIGHTED", "Flats", "Totals", "counts", "flatten", "install"]

@@ -1,0 +1,338 @@
+"""Exact steps under torchft: each committed step is the token mean of exactly the data that took part.
+
+torchft (pytorch/torchft) trains through failures: a quorum of replica groups per step, a fault-tolerant
+all-reduce through its ``Manager``, ``should_commit()`` to drop a step that lost a member, healing groups that sit a
+step out. Its ``Manager.allreduce`` averages by **the number of participating groups** (the sum divided by
+``num_participants()``): with uneven tokens per group the step is a mean of group means, not the token mean. Here
+the window's gradient SUM and its COUNTS travel in torchft's all-reduce as a SUM, and the step divides by the counts
+of the groups that really contributed::
+
+    manager = torchft.Manager(pg=ProcessGroupGloo(), ...)          # as torchft documents it
+    acc = MicrobatchAccumulator(model, group=my_replica_group)      # inside the group: as without torchft
+    ft = exact(manager, acc)
+    for step in ...:
+        manager.start_quorum()                                       # torchft's OptimizerWrapper.zero_grad does this
+        for key, batch in ft.microbatches(my_batches):               # (key, batch) pairs: key names the samples
+            with ft.microbatch(weight=n_tokens(batch), key=key):
+                loss_sum(model, batch).backward()                    # the UNSCALED loss
+        report = ft.finish()                                         # calls manager.should_commit() itself
+        if report.committed:
+            optimizer.step()                                         # the plain optimizer, not OptimizerWrapper
+        optimizer.zero_grad()
+        queue.extendleft(reversed(report.skipped))                   # re-feed what no committed step applied
+
+What :meth:`ReplicaGroups.finish` does, on every rank of every group:
+
+1. the group's window closes as it does without torchft (``acc.finish()``: the group's sum / its divisor ``D_g``,
+   counted over the group's ranks); a group that ran no microbatch (or weighed 0) discards instead and sends zeros;
+2. the gradients times ``D_g`` (the group's SUM again, zeros where a parameter had none) and, in float64, the
+   group's counts (tokens and microbatches in its quorum slot, its weighting, each parameter's participation) go
+   through ``manager.allreduce(..., reduce_op=SUM)``: torchft zeroes both for a group that does not participate
+   (healing under its async quorum), so such a group adds nothing to either;
+3. the gradients are divided by the summed counts (the total weight; the total microbatches without weights);
+   a parameter no group gave a gradient stays None;
+4. ``manager.should_commit()``: False when torchft saw an error (a group died mid-step, an all-reduce failed),
+   too few replicas, or nothing to divide by (reported to the manager first). The gradients are then dropped (None)
+   and the optimizer must not step.
+
+The :class:`StepReport` says what happened: committed or not, why not, this group's tokens and microbatches, the
+summed counts (the divisor), and ``skipped``: the keys of this rank's microbatches that no committed step applied
+(all of them in a dropped step; all of them for a healing group, whose data sat the step out). Re-feed those, or
+record them as skipped: either way every sample is in exactly one committed step or reported. A group that fails
+locally calls :meth:`ReplicaGroups.abandon` to report its own window before leaving.
+
+Not covered: ``terms=`` accumulators (each loss term divided by its own count cannot be re-divided: refused) and
+``divisors()`` ("divided ahead": refused on every group); FSDP2 and HSDP inside a group are untested. Memory: one
+gradient-sized buffer (the flat SUM that travels), kept between windows; a committed step's gradients are views of
+it, dropped (``zero_grad()``) before the next window as the accumulator requires. This module imports nothing of
+torchft: the manager is the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from gradagg.errors import GradaggError
+from gradagg.integrations import _torchft_sums as sums
+from gradagg.integrations._torchft_sums import NONE, UNWEIGHTED, WEIGHTED
+from gradagg.torch import MicrobatchAccumulator
+from gradagg.torch.accumulate.terms_after import Microbatch
+
+T = TypeVar("T")
+
+_MODES = {"weighted": WEIGHTED, "unweighted": UNWEIGHTED, "none": NONE}
+
+
+class Manager(Protocol):
+    """What this module uses of ``torchft.Manager`` (its public methods, nothing else)."""
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = ..., reduce_op: Any = ...) -> Any: ...
+    def should_commit(self) -> bool: ...
+    def num_participants(self) -> int: ...
+    def participating_rank(self) -> int | None: ...
+    def is_participating(self) -> bool: ...
+    def current_step(self) -> int: ...
+    def errored(self) -> Any: ...
+    def report_error(self, e: Exception) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step as one rank of one replica group saw it.
+
+    Attributes:
+        step: torchft's step (``manager.current_step()``) when the window closed.
+        group: the name given to :func:`exact` (torchft's replica id, typically).
+        committed: ``should_commit()`` said True: the gradients hold the step's exact mean; step the optimizer.
+        participating: this group's data went into the step's sums (False while healing, or after an error).
+        group_microbatches: the microbatches this group ran in the window (over its ranks).
+        group_weight: their total weight (tokens); None without weights.
+        microbatches: the microbatches summed over the groups that contributed (None if the all-reduce failed).
+        weight: their total weight: the divisor of a weighted step (None without weights or on failure).
+        per_participant: (weight or microbatches) per quorum slot, the groups that contributed; ``()`` on failure.
+        divisor: what the gradients were divided by (None when nothing was divided).
+        keys: the keys of this rank's microbatches in the window, in order.
+        skipped: the keys that no committed step applied: all of ``keys`` unless committed and participating.
+        reason: why the window was not applied ("" when it was).
+
+    >>> StepReport(step=3, group="g0", committed=False, participating=True, group_microbatches=2,
+    ...            group_weight=7.0, keys=("a", "b"), skipped=("a", "b"), reason="should_commit() was False").text()
+    'step 3, group g0: NOT applied (should_commit() was False): 2 microbatches, weight 7 skipped: keys a, b'
+    """
+
+    step: int
+    group: str
+    committed: bool
+    participating: bool
+    group_microbatches: int
+    group_weight: float | None
+    microbatches: int | None = None
+    weight: float | None = None
+    per_participant: tuple[float, ...] = ()
+    divisor: float | None = None
+    keys: tuple[Hashable, ...] = ()
+    skipped: tuple[Hashable, ...] = ()
+    reason: str = ""
+
+    @property
+    def applied(self) -> bool:
+        """This group's window is in a committed step."""
+        return not self.reason
+
+    def text(self) -> str:
+        """One line for a log: applied or not, why, and what.
+
+        Returns:
+            The line.
+        """
+        w = "" if self.group_weight is None else f", weight {self.group_weight:g}"
+        what = f"{self.group_microbatches} microbatches{w}"
+        if self.applied:
+            return f"step {self.step}, group {self.group}: applied {what}; step divided by {self.divisor:g}"
+        keys = ", ".join(str(k) for k in self.skipped)
+        return f"step {self.step}, group {self.group}: NOT applied ({self.reason}): {what} skipped: keys {keys}"
+
+
+@dataclass
+class _Group:
+    """What this group counted in the window (the same on each of its ranks)."""
+
+    microbatches: int
+    weight: float
+    mode: int
+    divisor: float  # D_g: what acc.finish() divided by (1 when it did not run)
+    participation: list[float] = field(default_factory=list)
+
+
+class ReplicaGroups:
+    """A :class:`~gradagg.torch.MicrobatchAccumulator` inside a replica group, its windows summed across groups
+    through torchft. Made by :func:`exact`; see the module's docstring for the loop."""
+
+    def __init__(self, manager: Manager, accumulator: MicrobatchAccumulator, group: str) -> None:
+        if accumulator.state.terms:
+            raise GradaggError(
+                f"exact(manager, acc): acc has terms={list(accumulator.state.terms)}, each term divided by its own "
+                "count; a gradient so divided cannot be re-divided across replica groups: build it without terms="
+            )
+        self.manager, self.accumulator, self.group = manager, accumulator, group
+        self.history: list[StepReport] = []
+        self._keys: list[Hashable] = []
+        self._flats: sums.Flats | None = None  # the window's SUM, its buffers kept for the next window
+
+    @contextlib.contextmanager
+    def microbatch(self, weight: object = None, *, key: Hashable = None, last: bool = False) -> Iterator[Microbatch]:
+        """One microbatch, as :meth:`MicrobatchAccumulator.microbatch`; ``key`` names its samples in the reports.
+
+        Args:
+            weight: its weight (tokens), as for the accumulator.
+            key: any hashable naming the microbatch's samples; recorded once the microbatch completes.
+            last: as for the accumulator (:meth:`microbatches` sets it).
+
+        Returns:
+            The accumulator's microbatch context.
+        """
+        with self.accumulator.microbatch(weight, last=last) as mb:
+            yield mb
+        self._keys.append(key)
+
+    def microbatches(self, items: Iterable[T]) -> Iterator[T]:
+        """``items`` with the last marked, as :meth:`MicrobatchAccumulator.microbatches`.
+
+        Args:
+            items: this rank's microbatches for the window.
+
+        Returns:
+            An iterator over them.
+        """
+        return self.accumulator.microbatches(items)
+
+    def finish(self) -> StepReport:
+        """Close the window across the replica groups; see the module's docstring for the four stages.
+
+        Returns:
+            The :class:`StepReport`; the gradients are the step's exact mean when ``committed``, None otherwise.
+
+        Raises:
+            WindowError: on every group, when the groups weighted differently (some with weights, some without) or
+                one divided ahead (``divisors()``); inside a microbatch; the accumulator's own refusals.
+        """
+        keys, self._keys = tuple(self._keys), []
+        mine = self._close_group()
+        slots = self.manager.num_participants()  # waits for the quorum: a healing group's step is set by then
+        step = self.manager.current_step()
+        counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots,
+                             self.manager.participating_rank())
+        flats = self._flats = sums.flatten(self.accumulator.state.tensors, mine.divisor, self._flats)
+        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in [*flats.buffers.values(), counts]]
+        for work in works:
+            work.wait()
+        made: dict[str, Any] = dict(step=step, group=self.group, group_microbatches=mine.microbatches, keys=keys,
+                                    group_weight=mine.weight if mine.mode == WEIGHTED else None, participating=False)
+        if self.manager.errored() is not None:
+            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
+            # of failed commits; it says False here
+            self.manager.should_commit()
+            return self._drop(made, "a torchft all-reduce failed (a replica group died or timed out)")
+        total = sums.Totals.of(counts, slots)
+        made.update(participating=self.manager.is_participating(), microbatches=total.microbatches,
+                    per_participant=total.per_slot(), weight=total.weight if total.mode == WEIGHTED else None)
+        problem = total.problem(self.group)
+        if problem is not None:  # the same sums on every group: every group raises
+            self.manager.report_error(problem)
+            self.manager.should_commit()
+            self._discard()
+            raise problem
+        if total.divisor == 0:  # should_commit() then says False on every group
+            self.manager.report_error(GradaggError("no microbatch in any replica group: there is no mean to take"))
+        else:
+            sums.install(self.accumulator.state.tensors, flats, total.divisor, total.participation)
+            made["divisor"] = total.divisor
+        return self._commit(made)
+
+    def abandon(self, why: str) -> StepReport:
+        """Drop this rank's window locally (a group failing on its own, before it leaves) and report it skipped.
+
+        Args:
+            why: the reason, for the report.
+
+        Returns:
+            The :class:`StepReport` of the dropped window.
+
+        >>> from types import SimpleNamespace
+        >>> lin = torch.nn.Linear(1, 1)
+        >>> ft = ReplicaGroups(SimpleNamespace(current_step=lambda: 4), MicrobatchAccumulator(lin), "g0")
+        >>> with ft.microbatch(key="b0"):
+        ...     lin(torch.ones(1, 1)).sum().backward()
+        >>> ft.abandon("injected failure").text()
+        'step 4, group g0: NOT applied (injected failure): 1 microbatches skipped: keys b0'
+        """
+        keys, self._keys = tuple(self._keys), []
+        st = self.accumulator.state
+        m = self.accumulator.ledger.microbatches_local if st.window.open else 0  # this rank's: the group's is unknown
+        self._discard()
+        return self._keep(StepReport(step=self.manager.current_step(), group=self.group, committed=False,
+                                     participating=False, group_microbatches=m, group_weight=None, keys=keys,
+                                     skipped=keys, reason=why))
+
+    @property
+    def skipped(self) -> list[Hashable]:
+        """Every key of this rank that no committed step applied, over :attr:`history`, in order."""
+        return [k for r in self.history for k in r.skipped]
+
+    # --- the stages -------------------------------------------------------------------------------------------
+
+    def _close_group(self) -> _Group:
+        """Stage 1: the group's own window, closed by the accumulator (or discarded when it holds nothing)."""
+        acc = self.accumulator
+        st = acc.state
+        # acc.ledger is the last finished window's until a microbatch opens a new one: a rank that ran none has 0
+        local = acc.ledger if st.window.open else None
+        m_here = 0 if local is None else local.microbatches_local
+        w_here = 0.0 if local is None else local.weight_local or 0.0
+        here = torch.tensor([float(m_here), float(w_here)], dtype=torch.float64)
+        if st.world > 1:  # the group's ranks agree on whether it ran anything before anyone finishes
+            dist.all_reduce(here, group=st.group)
+        m, w = int(here[0]), float(here[1])
+        if m == 0 or (local is not None and local.weighting == "weighted" and w == 0):
+            acc.discard()  # the accumulator refuses an empty window: this group sends zeros instead
+            mode = NONE if m == 0 else WEIGHTED
+            return _Group(m, w, mode, 1.0, [0.0] * len(st.tensors))
+        ledger = acc.finish()
+        mode = _MODES.get(ledger.weighting, sums.OTHER)
+        weight = ledger.weight_global if ledger.weight_global is not None else 0.0
+        part = ledger.participation_global or {}
+        divisor = 1.0 if ledger.divisor is None else float(ledger.divisor)
+        return _Group(ledger.microbatches_global or 0, weight, mode, divisor, [float(part[n]) for n in st.names])
+
+    def _commit(self, made: dict[str, Any]) -> StepReport:
+        """Stage 4: torchft's commit decides; a dropped step's gradients are dropped with it."""
+        if not self.manager.should_commit():
+            return self._drop(made, "should_commit() was False")
+        keys = made["keys"]
+        healing = not made["participating"] and keys
+        reason = "not participating (healing, or a spare): this group's data sat the step out" if healing else ""
+        return self._keep(StepReport(committed=True, skipped=keys if reason else (), reason=reason, **made))
+
+    def _drop(self, made: dict[str, Any], why: str) -> StepReport:
+        self._discard()
+        return self._keep(StepReport(committed=False, skipped=made["keys"], reason=why, **made))
+
+    def _keep(self, report: StepReport) -> StepReport:
+        self.history.append(report)
+        return report
+
+    def _discard(self) -> None:
+        self.accumulator.discard()
+        for t in self.accumulator.state.tensors:
+            t.grad = None
+
+
+def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = "") -> ReplicaGroups:
+    """Sum ``accumulator``'s windows across torchft's replica groups, each step divided by the counts that took part.
+
+    Args:
+        manager: this rank's ``torchft.Manager``.
+        accumulator: the group's :class:`~gradagg.torch.MicrobatchAccumulator`, over the group's own ranks
+            (``group=`` the replica group's process group; plain or DDP inside it).
+        group: a name for the reports (torchft's replica id).
+
+    Returns:
+        The :class:`ReplicaGroups`; run each microbatch in its ``microbatch(weight=..., key=...)``.
+
+    Raises:
+        GradaggError: the accumulator has ``terms=``.
+
+    Its loop needs torchft's lighthouse and processes, hence the skip (the tests run it)::
+
+    >>> ft = exact(manager, MicrobatchAccumulator(model))  # doctest: +SKIP
+    """
+    return ReplicaGroups(manager, accumulator, group)
+
+
+__all__ = ["Manager", "ReplicaGroups", "StepReport", "exact"]

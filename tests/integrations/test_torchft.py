@@ -1,0 +1,208 @@
+"""gradagg.integrations.torchft: replica groups as gloo processes, torchft's in-process lighthouse, CPU.
+
+Each committed step is compared with the float64 one-process token mean of exactly the microbatches that the
+reports of every rank say were applied in it, from the parameters the step started from; over a run every sample
+is applied in exactly one committed step, or reported skipped (and then re-fed or still queued), never twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchft._torchft import LighthouseServer  # noqa: E402  (torchft's own tests start it so)
+
+from gradagg.testing import launch_local_world  # noqa: E402
+from tests.integrations.workers import ft  # noqa: E402
+from tests.integrations.workers.ft import Plan  # noqa: E402
+
+# float32 round-off: each gradient element sums a few dozen float32 token terms, is multiplied back by its group's
+# divisor, summed over at most 3 groups and divided once; observed relative errors stay near 1e-7, and a wrong
+# divisor (a mean of group means, a dropped or doubled group) is off by more than 1%.
+TOLERANCE = 1e-6
+
+
+def run(plan: Plan, *, min_replicas: int) -> list[list[dict[str, Any]]]:
+    """Run ``plan``; every rank's records (a rank that raised fails the test, with its traceback)."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+                                  heartbeat_timeout_ms=2000)
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(plan.groups)]
+    coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    try:
+        outcomes = launch_local_world(ft.ft_world, plan.groups * plan.ranks, lighthouse.address(),
+                                      [s.port for s in stores], coord.port, plan, timeout_s=120.0,
+                                      collective_timeout_s=30.0, preload=["torchft"])
+    finally:
+        lighthouse.shutdown()
+    failed = [f"rank {o.rank}: {o.error}" for o in outcomes if not o.ok]
+    assert not failed, "\n".join(failed)
+    return [o.value for o in outcomes]
+
+
+def reports(records: list[dict[str, Any]]) -> list[Any]:
+    return [r["report"] for r in records if "report" in r]
+
+
+def truth(start: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor | None]:
+    """The float64 one-process token mean over ``keys`` from the parameters ``start``: sum of loss sums / tokens."""
+    net = ft.model(torch.float64)
+    net.load_state_dict(start)
+    tokens = sum(ft.sample(k)[0].shape[0] for k in keys)
+    for k in keys:
+        net.loss_sum(k).backward()
+    return {n: None if p.grad is None else p.grad / tokens for n, p in net.named_parameters()}
+
+
+def relative_error(got: dict[str, Any], want: dict[str, Any]) -> float:
+    """max over parameters of ||got - want|| / ||want||; a gradient None on one side only is an infinite error."""
+    worst = 0.0
+    for name, w in want.items():
+        g = got[name]
+        if (g is None) != (w is None):
+            return float("inf")
+        if w is not None:
+            worst = max(worst, float((g.double() - w).norm() / w.norm()))
+    return worst
+
+
+def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[str]]:
+    """Every committed step exact; every sample applied once or reported; returns the keys applied per step."""
+    applied: dict[int, list[str]] = collections.defaultdict(list)
+    for records in every:
+        for rep in reports(records):
+            if rep.committed and rep.applied:
+                applied[rep.step].extend(rep.keys)
+    for records in every:
+        for rec in records:
+            rep = rec.get("report")
+            if rep is None or not rep.committed:
+                continue
+            start = next(r["start"] for rs in every for r in rs if "report" in r and r["report"].committed
+                         and r["report"].participating and r["report"].step == rep.step)
+            err = relative_error(rec["grads"], truth(start, applied[rep.step]))
+            assert err <= TOLERANCE, (rep.text(), err)
+    flat = [k for keys in applied.values() for k in keys]
+    assert len(flat) == len(set(flat)), "a sample was applied in two committed steps"
+    lost = {k for records in every for k in records[-1]["lost"]}  # reported skipped by a group that left
+    unconsumed = {k for records in every for k in records[-1]["unconsumed"]}  # re-fed, or never drawn
+    everything = {k for g in range(plan.groups) for r in range(plan.ranks) for k in ft.keys_of(plan, g, r)}
+    assert set(flat) | lost | unconsumed == everything
+    assert not (set(flat) & (lost | unconsumed)) and not (lost & unconsumed)
+    return applied
+
+
+def body(grads: dict[str, Any]) -> dict[str, Any]:
+    """The parameters every sample uses (``extra`` is absent from some: torchft's average gives it zeros there)."""
+    return {n: g for n, g in grads.items() if n.startswith("body.")}
+
+
+def mean_of_group_means(every: list[list[dict[str, Any]]], step: int) -> dict[str, torch.Tensor]:
+    """What torchft's own step is, in float64: each group's token mean, averaged over the groups."""
+    records = [rec for records in every for rec in records if "report" in rec and rec["report"].step == step]
+    means = [body(truth(rec["start"], list(rec["report"].keys))) for rec in records]
+    return {n: sum(m[n] for m in means) / len(means) for n in means[0]}
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_uneven_groups_every_step_is_the_token_mean_and_torchft_average_is_not(groups: int) -> None:
+    """1, 2 and 3 microbatches a window in groups 0, 1, 2, 1 to 6 tokens each: every committed step is the token
+    mean of its microbatches (sum over groups / their total tokens); torchft's own step, measured beside it, is the
+    mean of the groups' token means (sum of means / number of groups), off by more than 1%."""
+    plan = Plan(groups=groups, measure=True)
+    every = run(plan, min_replicas=groups)
+    applied = check_run(every, plan)
+    assert sorted(applied) == [0, 1, 2]
+    for records in every:
+        for rec in records[:-1]:
+            rep = rec["report"]
+            assert rep.committed and rep.participating and len(rep.per_participant) == groups
+            assert rep.divisor == sum(rep.per_participant) == sum(ft.sample(k)[0].shape[0] for k in applied[rep.step])
+            torchft_step = body(rec["torchft_avg"])
+            # torchft's average, float32 over the same few terms: the same round-off as ours (see TOLERANCE)
+            assert relative_error(torchft_step, mean_of_group_means(every, rep.step)) <= TOLERANCE
+            assert relative_error(torchft_step, body(truth(rec["start"], applied[rep.step]))) > 0.01
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_a_group_dying_mid_window_drops_the_step_on_every_group(groups: int) -> None:
+    """Group 1 dies after one microbatch of its second window: that step is committed by nobody; the survivors'
+    reports say so and re-feed their microbatches; the dead group's report names its unapplied ones; the survivors
+    then commit without it, each step the token mean of the survivors' microbatches."""
+    plan = Plan(groups=groups, steps=3, fail=(1, 1))
+    every = run(plan, min_replicas=groups - 1)
+    check_run(every, plan)
+    dead = [rec for records in every[1::1][:1] for rec in records if "report" in rec]
+    assert [r["report"].committed for r in dead] == [True, False]
+    assert dead[-1]["report"].reason.startswith("injected") and len(dead[-1]["report"].skipped) == 1
+    assert every[1][-1]["lost"] == list(dead[-1]["report"].skipped)
+    for g in [0, *range(2, groups)]:
+        reps = reports(every[g])
+        dropped = [r for r in reps if not r.committed]
+        assert [r.step for r in dropped] == [1] and dropped[0].skipped == dropped[0].keys != ()
+        assert "all-reduce failed" in dropped[0].reason or "should_commit" in dropped[0].reason
+        after = [r for r in reps if r.committed and r.step >= 1]
+        assert after and all(len(r.per_participant) == groups - 1 for r in after)
+        assert reps[-1].step == 2 and reps[-1].committed
+
+
+@pytest.mark.parametrize("async_quorum", [True, False])
+def test_a_joining_group_heals(async_quorum: bool) -> None:
+    """Group 1 joins after step 1. Under torchft's async quorum it heals inside the step and sits it out: torchft
+    zeroes what it sends, so its window adds nothing to the sums or the counts, its report says its microbatches were
+    not applied (re-fed), and its gradient is the others' exact mean. Under the sync quorum it heals before the
+    window and takes part at once."""
+    plan = Plan(groups=2, steps=5, join=(1, 1), per_window=(2, 2), samples=(10, 10), async_quorum=async_quorum)
+    every = run(plan, min_replicas=1)
+    applied = check_run(every, plan)
+    first = reports(every[1])[0]
+    assert first.committed and first.step >= 1
+    if async_quorum:
+        assert not first.participating and first.skipped == first.keys and len(first.keys) == 2
+        assert first.per_participant == (sum(ft.sample(k)[0].shape[0] for k in applied[first.step]),)
+    else:
+        assert first.participating and first.applied
+    assert any(r.participating and r.committed for r in reports(every[1]))
+
+
+def test_min_replica_size_is_honoured() -> None:
+    """``min_replica_size=2`` and group 1 dying in its second window: group 0, alone, never commits again; each of
+    its windows is dropped (should_commit() False: too few groups) and re-fed, so nothing is applied twice."""
+    plan = Plan(groups=2, steps=2, fail=(1, 1), min_replica_size=2)
+    every = run(plan, min_replicas=1)
+    applied = check_run(every, plan)
+    assert sorted(applied) == [0]
+    alone = reports(every[0])[1:]
+    assert len(alone) == 4 * plan.steps - 1 and not any(r.committed for r in alone)
+    assert all(r.skipped == r.keys for r in alone) and "should_commit" in alone[-1].reason
+    assert every[0][-1]["unconsumed"][0] == alone[-1].keys[0]  # the last dropped window, re-fed first
+
+
+def test_short_and_empty_last_windows() -> None:
+    """Group 0 holds 2 samples (windows of 1, 1, then none), group 1 holds 5 (2, 2, then a short 1): the empty
+    group sends zeros and the last step is the token mean of group 1's one microbatch."""
+    plan = Plan(groups=2, steps=3, per_window=(1, 2), samples=(2, 5))
+    every = run(plan, min_replicas=2)
+    applied = check_run(every, plan)
+    assert [len(applied[s]) for s in range(3)] == [3, 3, 1]
+    last = reports(every[0])[-1]
+    assert last.committed and last.group_microbatches == 0 and last.keys == () and last.applied
+
+
+def test_two_ranks_a_group() -> None:
+    """2 groups of 2 ranks (the accumulator reduces inside each group over its own process group), group 1 dying
+    at its second window: exact committed steps, the dropped one on every rank of both groups."""
+    plan = Plan(groups=2, ranks=2, steps=2, fail=(1, 1), per_window=(1, 2), samples=(3, 4))
+    every = run(plan, min_replicas=1)
+    check_run(every, plan)
+    for rank in (0, 1):
+        assert [r.committed for r in reports(every[rank])] == [True, False, True]
+    for rank in (2, 3):
+        assert reports(every[rank])[-1].reason.startswith("injected")

@@ -1,0 +1,172 @@
+"""Replica groups under torchft, one process per rank: the worker of tests/integrations/test_torchft.py.
+
+The world's ranks are split into ``groups`` replica groups of ``ranks`` ranks (rank r is in group r // ranks). Each
+group has its own TCPStore (the parent's, by port) and its own ``torchft.Manager``; inside a group the accumulator
+reduces over a ``dist.new_group`` of its ranks. The lighthouse runs in the parent. Each rank draws its microbatches
+from its own queue of sample keys (``keys_of``), a window per step, and puts back what a report says was skipped
+(re-feed), except on the group that fails (it leaves). Every sample is a function of its key (:func:`sample`), so
+the parent rebuilds any step's float64 truth from the keys a report says were applied.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+IN_DIM, OUT_DIM = 4, 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One scenario. ``fail``: (group, iteration): that group raises after one microbatch of that iteration's
+    window and leaves. ``join``: (group, k): that group starts once group 0 committed k steps, and heals.
+    ``measure``: each step also runs torchft's own averaging (group token means, ``manager.allreduce`` AVG)."""
+
+    groups: int
+    ranks: int = 1
+    steps: int = 3
+    per_window: tuple[int, ...] = (1, 2, 3)  # microbatches per window, by group: uneven
+    samples: tuple[int, ...] = (3, 6, 9)  # samples in each rank's queue, by group
+    fail: tuple[int, int] | None = None
+    join: tuple[int, int] | None = None
+    measure: bool = False
+    async_quorum: bool = True
+    min_replica_size: int = 1
+    timeout_s: float = 4.0
+
+
+def keys_of(plan: Plan, group: int, rank: int) -> list[str]:
+    return [f"g{group}r{rank}s{i}" for i in range(plan.samples[group])]
+
+
+def sample(key: str, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A key's tokens (1 to 6 of them, inputs and targets) and whether it uses the model's ``extra`` layer."""
+    seed = zlib.crc32(key.encode())
+    gen = torch.Generator().manual_seed(seed)
+    tokens = 1 + seed % 6
+    x = torch.randn(tokens, IN_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    y = torch.randn(tokens, OUT_DIM, generator=gen, dtype=torch.float64).to(dtype)
+    return x, y, seed % 3 == 0
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(IN_DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, OUT_DIM))
+        self.extra = torch.nn.Linear(IN_DIM, OUT_DIM)  # absent from the samples that do not use it
+
+    def loss_sum(self, key: str) -> torch.Tensor:
+        """The UNSCALED loss of a sample: summed over its tokens."""
+        x, y, extra = sample(key, next(self.parameters()).dtype)
+        out = self.body(x) + (self.extra(x) if extra else 0)
+        return ((out - y) ** 2).sum()
+
+
+def model(dtype: torch.dtype = torch.float32) -> Net:
+    torch.manual_seed(0)  # every group starts from the same parameters (torchft's init_sync=False)
+    return Net().to(dtype)
+
+
+def ft_world(lighthouse: str, ports: list[int], coord: int, plan: Plan) -> list[dict[str, Any]]:
+    """One rank: build its group's manager and accumulator, run the steps; return one record per window."""
+    from torchft import Manager, ProcessGroupGloo
+
+    from gradagg.integrations.torchft import exact
+    from gradagg.torch import MicrobatchAccumulator
+
+    rank = dist.get_rank()
+    g, r = divmod(rank, plan.ranks)
+    inner = [dist.new_group(list(range(k * plan.ranks, (k + 1) * plan.ranks))) for k in range(plan.groups)][g]
+    store = dist.TCPStore("127.0.0.1", coord, is_master=False, timeout=datetime.timedelta(seconds=60))
+    joiner = plan.join is not None and g == plan.join[0]
+    if joiner:
+        store.wait([f"committed/{plan.join[1]}"])
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    timeout = datetime.timedelta(seconds=plan.timeout_s)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=plan.min_replica_size,
+        load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
+        store_port=ports[g], rank=r,
+        world_size=plan.ranks, lighthouse_addr=lighthouse, use_async_quorum=plan.async_quorum, init_sync=False,
+        timeout=timeout, quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
+    )
+    ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}")
+    _meet(store, "joiner" if joiner else "start", plan.ranks if joiner else _starters(plan))
+    try:
+        return _steps(plan, g, r, net, opt, manager, ft, store)
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _starters(plan: Plan) -> int:
+    return plan.ranks * (plan.groups - (plan.join is not None))
+
+
+def _meet(store: Any, name: str, n: int) -> None:
+    """Wait until ``n`` ranks reached here (so that the first quorum finds every starting group, whatever each
+    rank's start-up took), on the parent's store."""
+    if store.add(name, 1) == n:
+        store.set(f"{name}/all", "1")
+    store.wait([f"{name}/all"])
+
+
+def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, manager: Any, ft: Any,
+           store: Any) -> list[dict[str, Any]]:
+    queue = collections.deque(keys_of(plan, g, r))
+    records: list[dict[str, Any]] = []
+    for it in range(4 * plan.steps):  # a bound: each failure costs an iteration, never an endless loop
+        if manager.current_step() >= plan.steps:
+            break
+        manager.start_quorum()
+        start = {n: p.detach().double().clone() for n, p in net.named_parameters()}
+        window = [queue.popleft() for _ in range(min(plan.per_window[g], len(queue)))]
+        torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
+        for i, key in enumerate(ft.microbatches(window)):
+            if plan.fail == (g, it) and i == 1:
+                manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
+                report = ft.abandon("injected failure: this group died mid-window")
+                records.append(_record(report, start, net, None, it))
+                records.append({"unconsumed": window[i:] + list(queue), "lost": list(report.skipped)})
+                return records
+            with ft.microbatch(weight=sample(key)[0].shape[0], key=key):
+                net.loss_sum(key).backward()
+        report = ft.finish()
+        records.append(_record(report, start, net, torchft_avg, it))
+        queue.extendleft(reversed(report.skipped))  # re-feed: the next window starts with them
+        if report.committed:
+            opt.step()
+            if g == 0 and r == 0:
+                store.set(f"committed/{manager.current_step()}", "1")
+            if plan.join is not None and g == 0 and manager.current_step() == plan.join[1]:
+                store.wait(["joiner/all"])  # the joining group is about to ask for a quorum: give it this one
+                time.sleep(0.5)  # not a bound on anything: only more likely that the next quorum includes it
+        opt.zero_grad()
+    records.append({"unconsumed": list(queue), "lost": []})
+    return records
+
+
+def _torchft_average(net: Net, manager: Any, window: list[str]) -> dict[str, torch.Tensor]:
+    """torchft's own step on the same window: this group's token mean, then ``manager.allreduce`` (its default,
+    AVG: the sum divided by the number of participating groups). One rank a group (its DDP mean is then the rank's)."""
+    twin = model()
+    twin.load_state_dict(net.state_dict())
+    tokens = sum(sample(k)[0].shape[0] for k in window)
+    for key in window:
+        (twin.loss_sum(key) / max(tokens, 1)).backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in twin.named_parameters()}
+    for t in grads.values():
+        manager.allreduce(t).wait()
+    return grads
+
+
+def _record(report: Any, start: dict[str, torch.Tensor], net: Net, torchft_avg: Any, it: int) -> dict[str, Any]:
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
+    return {"report": report, "start": start, "grads": grads, "torchft_avg": torchft_avg, "iteration": it}
