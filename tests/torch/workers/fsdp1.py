@@ -27,6 +27,8 @@ CONFIGS = [
     ("SHARD_GRAD_OP", True, "nested"),
     ("SHARD_GRAD_OP", False, "root"),
 ]
+# on 4 ranks, 2 replicas x 2 shards: FSDP1 runs no communication hook there, gradagg rescales its average
+HYBRID_CONFIGS = [("HYBRID_SHARD", True, "nested"), ("_HYBRID_SHARD_ZERO2", False, "root")]
 # counts per rank of each window (its microbatches are the next global ones), and whether microbatches() looks ahead
 WINDOWS = [([3, 5], True), ([0, 4], False), ([2, 0], True), ([1, 1], False)]
 WINDOWS_4 = [([3, 0, 5, 1], True), ([0, 0, 2, 0], False), ([1, 1, 1, 1], True)]  # 4 ranks
@@ -58,6 +60,10 @@ def wrap(strategy: str, orig: bool, wrapping: str, **kw: Any) -> nn.Module:
 
     policy = ModuleWrapPolicy({nn.Linear}) if wrapping == "nested" else None
     model = kw.pop("model", None)
+    if "HYBRID" in strategy and "device_mesh" not in kw:  # replicas x shards of 2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["device_mesh"] = init_device_mesh("cpu", (dist.get_world_size() // 2, 2))
     return FSDP(_model() if model is None else model, sharding_strategy=ShardingStrategy[strategy],
                 use_orig_params=orig, device_id=torch.device("cpu"), auto_wrap_policy=policy, **kw)
 
@@ -167,10 +173,10 @@ def refusal_world(how: str) -> str:
         kwargs["terms"] = ["a", "b"]
     if how == "no shard":
         model = wrap("NO_SHARD", True, "root")
-    elif how == "hybrid":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        model = wrap("HYBRID_SHARD", True, "root", device_mesh=init_device_mesh("cpu", (1, 2)))
+    elif how == "hybrid beside full":  # a FULL_SHARD unit inside a HYBRID_SHARD one
+        inner = _model()
+        inner[0] = wrap("FULL_SHARD", True, "root", model=inner[0])
+        model = wrap("HYBRID_SHARD", True, "root", model=inner)
     elif how == "bf16":
         model = wrap("FULL_SHARD", True, "root", model=_model(torch.bfloat16))
     elif how == "own hook":
@@ -185,7 +191,7 @@ def refusal_world(how: str) -> str:
     return "accepted"
 
 
-__all__ = ["CONFIGS", "WINDOWS", "exact_world", "mixed_precision_world", "refusal_world"]
+__all__ = ["CONFIGS", "HYBRID_CONFIGS", "WINDOWS", "WINDOWS_4", "exact_world", "mixed_precision_world", "refusal_world"]
 
 
 def clip_world() -> dict[str, Any]:

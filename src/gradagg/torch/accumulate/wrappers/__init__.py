@@ -86,12 +86,14 @@ def _fsdp(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Choi
 
 
 def _fsdp1(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Choice:
-    """FSDP1's wrapper, over FSDP1's own process group (a ``group=`` of other ranks is refused)."""
+    """FSDP1's wrapper, over FSDP1's own process group (a ``group=`` of other ranks is refused); under the hybrid
+    strategies over ``group`` (the whole data-parallel world FSDP1 averages over)."""
     roots = params.fsdp1
     own = getattr(roots[0], "process_group", None)
-    if own is not None and group is None:
+    mixed = params.module is not None and fsdp1.hybrid(params.module)  # FSDP1 averages over the whole world then
+    if own is not None and group is None and not mixed:
         group = own
-    elif own is not None and lifetime.group_ranks(own) != lifetime.group_ranks(group):
+    elif own is not None and not mixed and lifetime.group_ranks(own) != lifetime.group_ranks(group):
         raise GradaggError(f"FSDP1 shards over ranks {list(lifetime.group_ranks(own))} but the accumulator was given "
                            f"group ranks {list(lifetime.group_ranks(group))}: pass group=None (FSDP1's own group)")
     module = params.module
@@ -99,7 +101,7 @@ def _fsdp1(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Cho
     if why is not None:
         raise GradaggError(why)
     span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
-    return Choice(group, span, lambda: fsdp1.Fsdp1Shards(roots, len(params.tensors), pad, group))
+    return Choice(group, span, lambda: fsdp1.Fsdp1Shards(roots, len(params.tensors), pad, group, mixed))
 
 
 __all__ = ["Choice", "Choose", "chooser"]

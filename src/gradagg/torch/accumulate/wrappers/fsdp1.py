@@ -9,21 +9,35 @@ every forward and backward, so with uneven microbatch counts the ranks agree on 
 out pads, as FSDP2's shards form does (:mod:`.padding`): the hook zeroes a padding microbatch's gradient before
 the reduce, so it adds exactly zero; the sums it receives from the other ranks are kept.
 
-What it takes: ``FULL_SHARD`` and ``SHARD_GRAD_OP``; ``use_orig_params`` True (the optimizer holds
-the original parameters, each a 1-d view of this rank's piece, empty on some ranks) or False (the flat
-parameters); nested units (an auto-wrap policy); ``MixedPrecision`` with float32 parameters (each microbatch is
-reduced in ``reduce_dtype``, the window's sum kept in float32). Refused when the accumulator is built, on every
-rank, naming what works: ``HYBRID_SHARD`` (FSDP1 calls no communication hook for hybrid strategies),
-``NO_SHARD`` (FSDP1 reduces the whole accumulated ``.grad`` again at every backward: use DDP),
-``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads`` (the window's sum would be kept in
-that dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own, ``terms=``.
+``HYBRID_SHARD`` (and ``_HYBRID_SHARD_ZERO2``): FSDP1 calls no communication hook for hybrid strategies, so its
+own reduction stays: each microbatch's gradient averaged over the whole data-parallel world (shards times
+replicas; a reduce-scatter within the node, an all-reduce across, divided by that world once). Summed over the
+window into ``.grad`` that is the window's sum over ``world``, and ``finish()`` divides it by ``D / world`` (a
+division more than the hook's path: one more rounding). A padding microbatch cannot be dropped before FSDP1's
+reduction there, so its loss is multiplied by zero (its gradient is exactly zero where the padding forward is
+finite; a non-finite padding forward reaches the window as NaN, which ``nonfinite="raise"`` refuses). The
+accumulator's group is then the whole data-parallel world (the default group), not FSDP1's intra-node group.
+
+What it takes: ``FULL_SHARD``, ``SHARD_GRAD_OP`` and the hybrid strategies; ``use_orig_params`` True (the
+optimizer holds the original parameters, each a 1-d view of this rank's piece, empty on some ranks) or False (the
+flat parameters); nested units (an auto-wrap policy); ``MixedPrecision`` with float32 parameters (each microbatch
+is reduced in ``reduce_dtype``, the window's sum kept in float32). Refused when the accumulator is built, on every
+rank, naming what works: hybrid units beside others, ``NO_SHARD`` (FSDP1 reduces the whole accumulated ``.grad``
+again at every backward: use DDP), ``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads``
+(the window's sum would be kept in that dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own,
+``terms=``.
 
 Participation: FSDP1 reduces whole flat parameters (zeros for a parameter a microbatch did not use), so which
 parameter a microbatch reached cannot be observed; the ledger counts every parameter in each microbatch that ran
-a backward. The divisor never depends on it.
+a backward (seen by the communication hook, or under the hybrid strategies by a backward pre-hook on each root).
+The divisor never depends on it.
 
 FSDP1 cannot remove a communication hook: it stays registered once the accumulator is closed and then averages
 over the ranks, as FSDP1's own reduction does (a later accumulator takes it over).
+
+Why no window form: FSDP1 all-gathers the parameters in every forward and offers no public way to keep them
+unsharded between forwards (``summon_full_params`` forbids a forward inside it), so a window form would still run
+collectives per microbatch, and pad, as this form does; ``fsdp="window"`` is refused, naming this form.
 """
 
 from __future__ import annotations
@@ -51,7 +65,7 @@ HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 class _NoReplicas:
-    """FSDP1's shards form has no replica dimension (HYBRID_SHARD is refused): nothing to switch."""
+    """FSDP1 chooses itself when it all-reduces across replicas (the hybrid strategies: every backward)."""
 
     def set_all_reduce(self, now: bool) -> None:
         return
@@ -83,6 +97,16 @@ class _Hook:
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, _Hook] = weakref.WeakKeyDictionary()
 
 
+def hybrid(module: nn.Module) -> bool:
+    """Whether the FSDP1 units of ``module`` use a hybrid strategy (checked to be all or none by :func:`refusal`)."""
+    cls = fsdp1_class()
+    return any(_strategy(m) in HYBRID for m in module.modules() if cls is not None and isinstance(m, cls))
+
+
+def _strategy(unit: nn.Module) -> str:
+    return str(getattr(getattr(unit, "sharding_strategy", None), "name", "?"))
+
+
 def refusal(module: nn.Module, mode: str, world: int) -> str | None:
     """Why the accumulator cannot hold this FSDP1 model (see the module docstring), or None.
 
@@ -92,18 +116,20 @@ def refusal(module: nn.Module, mode: str, world: int) -> str | None:
         world: the accumulator group's size.
     """
     if mode == "window":
-        return ("fsdp='window' is not built for FSDP1 (FullyShardedDataParallel); use the default fsdp='shards', "
-                "or FSDP2's fully_shard, which has both forms")
+        return ("fsdp='window' is not built for FSDP1 (FullyShardedDataParallel): FSDP1 all-gathers the parameters "
+                "in every forward, so a window would still pad as the default fsdp='shards' does; use that, or "
+                "FSDP2's fully_shard, which has both forms")
     cls = fsdp1_class()
+    kinds = set()
     for name, unit in module.named_modules():
         if cls is None or not isinstance(unit, cls):
             continue
         where = f"FSDP1 unit {name!r}" if name else "the FSDP1 module given"
-        strategy = getattr(getattr(unit, "sharding_strategy", None), "name", "?")
-        if strategy in HYBRID:
-            return (f"{where} uses {strategy}: FSDP1 calls no communication hook for hybrid strategies, so gradagg "
-                    "cannot reduce its sums; use FULL_SHARD or SHARD_GRAD_OP, or FSDP2's fully_shard on a 2-D mesh "
-                    "(HSDP), which gradagg keeps exact")
+        strategy = _strategy(unit)
+        kinds.add(strategy in HYBRID)
+        if len(kinds) > 1:
+            return (f"{where} uses {strategy} beside units of another kind (hybrid and not): FSDP1 reduces the "
+                    "two differently; use one sharding strategy for every unit")
         if strategy == "NO_SHARD":
             return (f"{where} uses NO_SHARD: FSDP1 then all-reduces the whole accumulated .grad again at every "
                     "backward, counting earlier microbatches once more; use DDP (DistributedDataParallel), which "
@@ -113,7 +139,10 @@ def refusal(module: nn.Module, mode: str, world: int) -> str | None:
                     "microbatches in the low-precision dtype; leave it False (gradients kept in float32)")
         pg = getattr(unit, "process_group", None)
         ways = pg.size() if pg is not None else world
-        if ways != world:
+        if strategy in HYBRID and world % ways:
+            return (f"{where} shards over {ways} ranks within a replica, which does not divide the accumulator's "
+                    f"group of {world}: give the accumulator the whole data-parallel world (group=None)")
+        if strategy not in HYBRID and ways != world:
             return (f"{where} shards over {ways} ranks but the accumulator's group has {world}: give the "
                     "accumulator FSDP1's process group")
     low = next(((n, p.dtype) for n, p in module.named_parameters()
@@ -132,16 +161,21 @@ class Fsdp1Shards(Plain):
         roots: the outermost FSDP1 units (their hook covers every unit under them).
         n_params: the accumulator's parameters, all reduced by FSDP1 (external).
         pad: the padding microbatch (see :mod:`.padding`).
-        group: the accumulator's group (FSDP1's): in a group of more than one rank the window runs in agreed rounds.
+        group: the accumulator's group (FSDP1's; under the hybrid strategies the whole data-parallel world): in a
+            group of more than one rank the window runs in agreed rounds.
+        hybrid: the units use a hybrid strategy: FSDP1 averages over ``group`` itself (no hook).
 
     Attributes:
         rounds, pad, kept, padding, failure, agreed, done, padded: as :class:`~.fsdp_shards.FsdpShards`'s.
+        zero_padding_loss: a padding microbatch's loss is multiplied by zero (the hybrid strategies: no hook drops
+            its gradient).
     """
 
     name = "fsdp1 shards"
 
-    def __init__(self, roots: list[nn.Module], n_params: int, pad: Pad, group: Group) -> None:
+    def __init__(self, roots: list[nn.Module], n_params: int, pad: Pad, group: Group, hybrid: bool = False) -> None:
         super().__init__()
+        self.hybrid = self.zero_padding_loss = hybrid
         self.external = frozenset(range(n_params))
         self.roots, self.group = roots, group
         self.rounds = get_world_size(group) > 1
@@ -158,6 +192,16 @@ class Fsdp1Shards(Plain):
         return self._side
 
     def install(self, state: State) -> None:
+        padding.watch_forward(state, self)
+        if self.hybrid:
+            for root in self.roots:  # no communication hook to see the backwards: a backward pre-hook on the root
+
+                def seen(_module: nn.Module, _grads: object) -> None:
+                    if not self.padding:
+                        self.reduced(state)
+
+                state.extra_hooks.append(root.register_full_backward_pre_hook(seen))
+            return
         for root in self.roots:
             hook = _HOOKS.get(root)
             if hook is None:
@@ -170,11 +214,11 @@ class Fsdp1Shards(Plain):
                 _HOOKS[root] = hook
             hook.owner = (self, state)
             self._hooks.append(hook)
-        padding.watch_forward(state, self)
 
     def reduced(self, state: State) -> None:
-        """The hook reduced a real microbatch's gradient: count every parameter present in it (see the module
-        docstring), or fail the window for a backward outside ``microbatch()``."""
+        """A real microbatch's backward reached FSDP1 (its hook, or the hybrid strategies' pre-hook): count every
+        parameter present in it (see the module docstring), or fail the window for a backward outside
+        ``microbatch()``."""
         w = state.window
         if w.in_microbatch:
             w.seen.update(self.external)
@@ -203,7 +247,8 @@ class Fsdp1Shards(Plain):
                     sender.finite &= all_finite(t.grad)
 
     def hand_out(self, state: State, i: int, t: torch.Tensor, divisor: float, present: bool) -> None:
-        """Divide FSDP1's summed shard in ``t.grad`` by D (None where no rank ran a backward).
+        """Divide FSDP1's summed shard in ``t.grad`` by D (under the hybrid strategies, FSDP1's sum of averages by
+        D / world); None where no rank ran a backward.
 
         Raises:
             WindowError: on every rank (D is the same on each) when the gradient's dtype cannot divide by D.
@@ -212,12 +257,13 @@ class Fsdp1Shards(Plain):
         if grad is None or not present:
             t.grad = None
             return
-        problem = divisor_problem(divisor, grad.dtype)
+        share = divisor / state.world if self.hybrid else divisor
+        problem = divisor_problem(share, grad.dtype)
         if problem is not None:
-            raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r}, which {problem}; "
-                              "nothing was stepped")
-        if divisor != 1:
-            grad.div_(divisor)
+            raise WindowError(f"rank {state.rank}: the window's total weight D = {divisor!r} ({share!r} to divide "
+                              f"by), which {problem}; nothing was stepped")
+        if share != 1:
+            grad.div_(share)
 
     def close(self, state: State) -> None:
         state.padded_last = self.padded

@@ -59,6 +59,7 @@ class FsdpShards(FsdpWindow):
         super().__init__(side, sharded)
         self.external = sharded
         self.rounds = get_world_size(group) > 1
+        self.zero_padding_loss = False  # its padding's gradients are dropped in their hooks, before FSDP sees them
         self.pad, self.padding = pad, False
         self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.failure: str | None = None

@@ -49,6 +49,7 @@ class Padder(Protocol):
         """Where HSDP's all-reduce over the replicas is switched (see :func:`.padding.pad_once`)."""
 
     rounds: bool
+    zero_padding_loss: bool
     pad: Pad
     padding: bool
     kept: tuple[tuple[Any, ...], dict[str, Any]] | None
@@ -112,7 +113,7 @@ def run(state: State, sh: Padder, running: list[int]) -> str | None:
             except Exception as exc:  # noqa: BLE001 - any failure: the round's collectives must still complete
                 failure = f"rank {state.rank}: the padding microbatch ({_named(sh.pad)}) {_what(exc)}"
                 loss = _stand_in(state, sh, watch, exc, running, failure)
-            _backward(state, loss, running)
+            _backward(state, loss * 0.0 if sh.zero_padding_loss else loss, running)
             return failure
     finally:
         watch.close()
