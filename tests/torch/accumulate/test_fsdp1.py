@@ -100,6 +100,7 @@ REFUSALS = {
     "terms": "terms= under FSDP1",
     "no shard": "uses NO_SHARD",
     "hybrid beside full": "beside units of another kind (hybrid and not)",
+    "plain head": "parameter '2.weight' is in no FSDP1 unit (2 such)",
     "bf16": "is torch.bfloat16: FSDP1 sums the window's microbatches into .grad",
     "own hook": "FSDP1 refused gradagg's communication hook",
     "named": "(FSDP1), which the accumulator was not given",

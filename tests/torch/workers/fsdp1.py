@@ -173,6 +173,9 @@ def refusal_world(how: str) -> str:
         kwargs["terms"] = ["a", "b"]
     if how == "no shard":
         model = wrap("NO_SHARD", True, "root")
+    elif how == "plain head":  # an FSDP1 unit inside a plain module: its head is in no unit
+        model = _model()
+        model[0] = wrap("FULL_SHARD", True, "root", model=model[0])
     elif how == "hybrid beside full":  # a FULL_SHARD unit inside a HYBRID_SHARD one
         inner = _model()
         inner[0] = wrap("FULL_SHARD", True, "root", model=inner[0])

@@ -90,18 +90,24 @@ def _fsdp1(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Cho
     strategies over ``group`` (the whole data-parallel world FSDP1 averages over)."""
     roots = params.fsdp1
     own = getattr(roots[0], "process_group", None)
-    mixed = params.module is not None and fsdp1.hybrid(params.module)  # FSDP1 averages over the whole world then
-    if own is not None and group is None and not mixed:
+    hybrid = params.module is not None and fsdp1.hybrid(params.module)  # FSDP1 averages over the whole world then
+    if own is not None and group is None and not hybrid:
         group = own
-    elif own is not None and not mixed and lifetime.group_ranks(own) != lifetime.group_ranks(group):
+    elif own is not None and not hybrid and lifetime.group_ranks(own) != lifetime.group_ranks(group):
         raise GradaggError(f"FSDP1 shards over ranks {list(lifetime.group_ranks(own))} but the accumulator was given "
                            f"group ranks {list(lifetime.group_ranks(group))}: pass group=None (FSDP1's own group)")
     module = params.module
     why = None if module is None else fsdp1.refusal(module, mode, get_world_size(group))
+    held = {id(p) for root in roots for p in root.parameters()}
+    outside = [n for n, t in zip(params.names, params.tensors) if id(t) not in held]
+    if why is None and outside:  # FSDP1 reduces only what its units hold: these would stay rank-local
+        why = (f"parameter {outside[0]!r} is in no FSDP1 unit ({len(outside)} such): FSDP1 would not reduce it, so "
+               "each rank would keep its own gradient; wrap the root module in FSDP1 too (an auto-wrap policy for the "
+               "blocks and FullyShardedDataParallel(model) around them)")
     if why is not None:
         raise GradaggError(why)
     span = replace(span, ranks=tuple(sorted(lifetime.group_ranks(group))))
-    return Choice(group, span, lambda: fsdp1.Fsdp1Shards(roots, len(params.tensors), pad, group, mixed))
+    return Choice(group, span, lambda: fsdp1.Fsdp1Shards(roots, len(params.tensors), pad, group, hybrid))
 
 
 __all__ = ["Choice", "Choose", "chooser"]
