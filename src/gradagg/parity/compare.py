@@ -259,8 +259,8 @@ def projections(truth: Truth, grads: Grads) -> tuple[list[float], list[float]]:
 def _roundoff_text(error: float, truth: Truth) -> str:
     dtype = truth.computes_in.removeprefix("torch.")
     return (f"round-off, not a weighting mistake: the largest error, {error:.2g}, is within what {dtype} round-off "
-            f"reaches (up to {truth.roundoff:g}: the full batch computes in {dtype}, e.g. a loss that casts the "
-            f"logits); a tolerance of {truth.roundoff:g} passes it")
+            f"reaches (up to {truth.roundoff:g}: the full batch or the step computes in {dtype}, e.g. a loss that "
+            f"casts the logits, or torch.autocast); a tolerance of {truth.roundoff:g} passes it")
 
 
 def ratio_text(ratio: float, world: int, window: int, rtol: float = 1e-3) -> str:
