@@ -38,7 +38,8 @@ def check_parity(
         rtol: the largest relative error that passes; default by the lowest precision the full batch computes in
             (its gradients' dtype, or lower where its operations cast: a float64 model whose loss casts the logits
             to float32 computes in float32): 1e-9 float64, 1e-3 float32, 5e-2 half precision
-            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons). A layout whose error is within that
+            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons); a layout whose steps ran under
+            ``torch.autocast`` in lower precision is judged at that one. A layout whose error is within that
             round-off but above an explicit ``rtol`` is diagnosed as round-off, not as a weighting mistake.
         timeout_s: deadline of each world, start-up included.
         collective_timeout_s: how long a rank waits in a collective for a peer.
