@@ -75,3 +75,12 @@ def test_a_step_under_autocast_is_judged_at_its_precision_when_the_full_batch_is
     strict = check_parity(_fixture("autocast_bf16_step_only"), [(4, 4)], rtol=FLOAT32_RTOL, **FAST)
     (o,) = strict.observations
     assert not o["passed"] and o["diagnosis"].startswith("round-off, not a weighting mistake: "), o
+
+
+def test_autocast_that_casts_nothing_leaves_the_float64_tolerance() -> None:
+    """Autocast on around a float64 step casts none of its operations: the step computes in float64, so the
+    layout keeps float64's tolerance (bf16's would let a divisor off by a few percent pass)."""
+    report = check_parity(_fixture("autocast_noop_float64"), [(4, 4)], **FAST)
+    (o,) = report.observations
+    assert o["passed"] and o["expected"] == f"<= {RTOL_BY_DTYPE['torch.float64']:g}", o
+    assert "autocast" not in o["diagnosis"], o

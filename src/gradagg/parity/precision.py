@@ -20,8 +20,9 @@ _DEVICES = ("cpu", "cuda")
 
 
 class AutocastSeen:
-    """Records the dtype autocast computes in whenever a torch operation runs with autocast on, while entered
-    (a public ``torch.overrides.TorchFunctionMode``; it reads autocast's state, it changes nothing)."""
+    """Records the dtype autocast casts to whenever a torch operation, run with autocast on, returns a tensor of
+    that dtype, while entered (a public ``torch.overrides.TorchFunctionMode``; it reads, it changes nothing).
+    Autocast that is on but casts nothing (it leaves float64 alone) records nothing."""
 
     def __init__(self) -> None:
         self.seen: set[Any] = set()
@@ -35,10 +36,12 @@ class AutocastSeen:
 
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                for device in _DEVICES:
-                    if torch.is_autocast_enabled(device):
-                        seen.add(torch.get_autocast_dtype(device))
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                casts = {torch.get_autocast_dtype(d) for d in _DEVICES if torch.is_autocast_enabled(d)}
+                for t in (out if isinstance(out, (tuple, list)) else (out,)) if casts else ():
+                    if isinstance(t, torch.Tensor) and t.dtype in casts:  # a dtype is metadata: no read of a value
+                        seen.add(t.dtype)
+                return out
 
         self._mode = _Mode()
         self._mode.__enter__()
