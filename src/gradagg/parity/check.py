@@ -38,7 +38,8 @@ def check_parity(
         rtol: the largest relative error that passes; default by the lowest precision the full batch computes in
             (its gradients' dtype, or lower where its operations cast: a float64 model whose loss casts the logits
             to float32 computes in float32): 1e-9 float64, 1e-3 float32, 5e-2 half precision
-            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons). A layout whose error is within that
+            (``gradagg.parity.compare.RTOL_BY_DTYPE`` gives the reasons); a layout whose steps ran under
+            ``torch.autocast`` in lower precision is judged at that one. A layout whose error is within that
             round-off but above an explicit ``rtol`` is diagnosed as round-off, not as a weighting mistake.
         timeout_s: deadline of each world, start-up included.
         collective_timeout_s: how long a rank waits in a collective for a peer.
@@ -72,8 +73,8 @@ def check_parity(
     chosen = check_layouts([tuple(layout) for layout in layouts] if layouts else default_layouts(checked.window),
                            checked.window)
     computes_in, truth, tol = truth_and_rtol(checked, rtol)
-    observations = [_observe(script, path, layout, truth, tol, checked, timeout_s, collective_timeout_s)
-                    for layout in chosen]
+    observations = [_observe(script, path, layout, truth, (tol, rtol is not None), checked, timeout_s,
+                             collective_timeout_s) for layout in chosen]
     return ParityReport(script, checked.window, computes_in.removeprefix("torch."), tol, observations,
                         time.perf_counter() - start)
 
@@ -116,7 +117,7 @@ def _computes_in(checked: TruthResult) -> str:
     return max((grads, ops), key=lambda d: RTOL_BY_DTYPE.get(d, 0.0))
 
 
-def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, checked: TruthResult,
+def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: tuple[float, bool], checked: TruthResult,
              timeout_s: float, collective_timeout_s: float) -> dict[str, Any]:
     """One world for one layout, then its observation."""
     from gradagg.parity.worker import run_rank
@@ -125,17 +126,21 @@ def _observe(script: str, path: str, layout: Layout, truth: Any, rtol: float, ch
     outcomes = launch_local_world(run_rank, len(layout), path, layout, os.getcwd(), timeout_s=timeout_s,
                                   collective_timeout_s=collective_timeout_s, preload=_PRELOAD)
     ranks = {o.rank: o.value if o.ok else launcher_failure(o.rank, o.error, timeout_s) for o in outcomes}
-    return judge_ranks(script, layout, truth, rtol, checked, ranks)
+    return judge_ranks(script, layout, truth, rtol[0], checked, ranks, explicit=rtol[1])
 
 
 def judge_ranks(script: str, layout: Layout, truth: Truth, rtol: float, checked: TruthResult,
-                ranks: Mapping[int, Any]) -> dict[str, Any]:
+                ranks: Mapping[int, Any], explicit: bool = False) -> dict[str, Any]:
     """The observation of one layout from what each rank handed back: a RankResult, or why it did not return.
+
+    A step that computed in lower precision under ``torch.autocast`` than the full batch is judged at that
+    precision's round-off (its tolerance too, unless ``explicit``: the user's ``rtol``), and the diagnosis says so.
 
     Raises:
         ScriptError: a rank built another model or window than the truth's.
     """
     from gradagg.parity.compare import judge
+    from gradagg.parity.precision import step_precision
     from gradagg.parity.shards import assemble
 
     results, failures = {}, {}
@@ -148,7 +153,10 @@ def judge_ranks(script: str, layout: Layout, truth: Truth, rtol: float, checked:
             failures[rank] = value.failure
         else:
             results[rank] = value.grads
-    return judge(layout, truth, assemble(results), failures, rtol)
+    steps = [v.computes_in for v in ranks.values() if not isinstance(v, str)]
+    truth, rtol, note = step_precision(truth, rtol, explicit, steps)
+    observation = judge(layout, truth, assemble(results), failures, rtol)
+    return {**observation, "diagnosis": observation["diagnosis"] + note}
 
 
 def launcher_failure(rank: int, error: str | None, timeout_s: float) -> str:

@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "('-': to stdout, instead of the table)")
     parser.add_argument("--rtol", type=float, metavar="R",
                         help="largest relative error that passes, per parameter: ||g - t|| / max(||t||, 1%% of the "
-                             "whole gradient's norm) (default: by the lowest precision the full batch computes "
-                             "in, 1e-9 for float64, 1e-3 for float32: a float64 model whose loss casts to float32 "
-                             "gets 1e-3)")
+                             "whole gradient's norm) (default: by the lowest precision the full batch, or the step "
+                             "under torch.autocast, computes in: 1e-9 for float64, 1e-3 for float32, 5e-2 for "
+                             "bfloat16 and float16; a float64 model whose loss casts to float32 gets 1e-3)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 # differ by ~1e-15 relative (measured 7e-16 on the examples): 1e-9 leaves a margin of 10^6 and still
 # tells a divisor off by one in 10^8. float32: measured up to 7e-5 (cross-entropy gradients cancel
 # across tokens, which amplifies round-off): 1e-3 leaves a margin of 10; divisor mistakes on
-# variable-length data miss by 1e-2 and more. Half precision: not measured, only a coarse check.
+# variable-length data miss by 1e-2 and more. Half precision: a few roundings of bf16's 2**-8 (measured on steps under
+# CPU autocast, tests/parity/test_low_precision.py): 5e-2 leaves a margin of 10 for bf16 and is coarse for fp16;
+# weighting mistakes on variable-length data still miss by tens of percent.
 RTOL_BY_DTYPE = {"torch.float64": 1e-9, "torch.float32": 1e-3, "torch.float16": 5e-2, "torch.bfloat16": 5e-2}
 _RTOL_OTHER = 1e-3
 
@@ -259,8 +261,8 @@ def projections(truth: Truth, grads: Grads) -> tuple[list[float], list[float]]:
 def _roundoff_text(error: float, truth: Truth) -> str:
     dtype = truth.computes_in.removeprefix("torch.")
     return (f"round-off, not a weighting mistake: the largest error, {error:.2g}, is within what {dtype} round-off "
-            f"reaches (up to {truth.roundoff:g}: the full batch computes in {dtype}, e.g. a loss that casts the "
-            f"logits); a tolerance of {truth.roundoff:g} passes it")
+            f"reaches (up to {truth.roundoff:g}: the full batch or the step computes in {dtype}, e.g. a loss that "
+            f"casts the logits, or torch.autocast); a tolerance of {truth.roundoff:g} passes it")
 
 
 def ratio_text(ratio: float, world: int, window: int, rtol: float = 1e-3) -> str:

@@ -158,7 +158,7 @@ def sweep_parity(
     tol = max(j[2] for j in judged.values())
     _check_same_truth(script, truths, judged, tol)
     run = _Run(script, os.path.abspath(script), truths, {s: j[1] for s, j in judged.items()}, tol, timeout_s,
-               collective_timeout_s)
+               collective_timeout_s, rtol is not None)
     observations = [o for world in worlds for o in run.world([c for c in cells if len(c.layout) == world])]
     dtype = max(judged.values(), key=lambda j: j[2])[0].removeprefix("torch.")
     return SweepReport(script, None not in truths, dtype, tol, observations, time.perf_counter() - start)
@@ -205,6 +205,7 @@ class _Run:
     rtol: float
     timeout_s: float
     collective_timeout_s: float
+    explicit: bool = False  # the user gave rtol: a step under autocast widens only the diagnosis of round-off
 
     def world(self, cells: list[Cell]) -> list[dict[str, Any]]:
         """Every cell of one world size, in order: one world for all, a new one after a cell that failed."""
@@ -239,7 +240,7 @@ class _Run:
         from gradagg.parity.check import judge_ranks
 
         truth = self.truth[cell.size]
-        o = judge_ranks(self.script, cell.layout, truth, self.rtol, self.truths[cell.size], ranks)
+        o = judge_ranks(self.script, cell.layout, truth, self.rtol, self.truths[cell.size], ranks, self.explicit)
         grads = {r: v.grads for r, v in ranks.items() if not isinstance(v, str) and v.failure is None}
         factor = factor_text(o, truth, grads)
         size = cell.size if cell.size is not None else sum(cell.layout)

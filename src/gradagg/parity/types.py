@@ -114,6 +114,8 @@ class RankResult:
         window_digest: digest of the window ``microbatches()`` gave on this rank.
         grads: parameter name -> gradient after ``step`` (None: no gradient; a :class:`Piece`: this rank's
             shard of a DTensor), in ``named_parameters()`` order.
+        computes_in: the lowest-precision dtype ``torch.autocast`` ran the step's operations in (``"torch.bfloat16"``);
+            "" where autocast was off.
     """
 
     rank: int
@@ -121,6 +123,7 @@ class RankResult:
     model_digest: dict[str, str] = field(default_factory=dict)
     window_digest: str = ""
     grads: dict[str, torch.Tensor | Piece | None] = field(default_factory=dict)
+    computes_in: str = ""
 
 
 @dataclass(frozen=True)
