@@ -216,14 +216,14 @@ def test_a_mistake_beyond_the_round_off_is_still_named_a_mistake(sizes: list[int
 @pytest.mark.parametrize("cast", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_lowest_dtype_an_operation_computes_in_is_seen(cast: torch.dtype) -> None:
     """A float64 model whose loss casts its output: the cast's dtype is what the truth computes in."""
-    from gradagg.parity.script import LowestFloat
+    from gradagg.parity.precision import DtypesSeen
 
     model = torch.nn.Linear(3, 2).double()
-    with LowestFloat() as seen:
+    with DtypesSeen() as seen:
         loss = model(torch.ones(4, 3, dtype=torch.float64)).to(cast).float().square().mean()
         loss.backward()
     assert seen.lowest() == str(cast)
-    with LowestFloat() as plain:
+    with DtypesSeen() as plain:
         model(torch.ones(4, 3, dtype=torch.float64)).square().mean().backward()
     assert plain.lowest() == "torch.float64"
 
@@ -231,10 +231,10 @@ def test_the_lowest_dtype_an_operation_computes_in_is_seen(cast: torch.dtype) ->
 def test_a_loss_that_reads_dtype_and_shape_computes_in_its_dtype() -> None:
     """``x.to(w.dtype)`` and ``x.shape`` return a dtype and a Size through the mode, not tensors: they are not
     results to record (a dtype has an ``is_floating_point`` attribute that is a bool, not a method)."""
-    from gradagg.parity.script import LowestFloat
+    from gradagg.parity.precision import DtypesSeen
 
     model = torch.nn.Linear(3, 2).double()
-    with LowestFloat() as seen:
+    with DtypesSeen() as seen:
         out = model(torch.ones(4, 3, dtype=torch.float64))
         mask = (out > 0).to(out.dtype)
         (out * mask).sum().div(out.shape[0]).backward()

@@ -1,10 +1,10 @@
 """What a rank's step computes in under ``torch.autocast``, and the tolerance that follows from it.
 
-The full batch's precision is what ``full_batch_loss()`` computes in (:class:`gradagg.parity.script.LowestFloat`).
+The full batch's precision is what ``full_batch_loss()`` computes in (:class:`DtypesSeen`).
 A step may compute in lower precision than that: written under ``torch.autocast`` where the full batch is not. Its
 error against the truth is then that precision's round-off, and judging it at the truth's tolerance would blame the
-weighting for round-off. Each rank records the autocast dtype its step's operations ran under
-(:class:`AutocastSeen`); :func:`step_precision` judges the layout at the lowest of those and the truth's.
+weighting for round-off. Each rank records the autocast dtype its step's operations ran under (:class:`DtypesSeen`
+with ``autocast_only``); :func:`step_precision` judges the layout at the lowest of those and the truth's.
 """
 
 from __future__ import annotations
@@ -19,27 +19,35 @@ from gradagg.parity.types import Truth
 _DEVICES = ("cpu", "cuda")
 
 
-class AutocastSeen:
-    """Records the dtype autocast casts to whenever a torch operation, run with autocast on, returns a tensor of
-    that dtype, while entered (a public ``torch.overrides.TorchFunctionMode``; it reads, it changes nothing).
-    Autocast that is on but casts nothing (it leaves float64 alone) records nothing."""
+class DtypesSeen:
+    """Records the dtypes of torch operations' results while entered (a public ``torch.overrides.TorchFunctionMode``;
+    it reads, it changes nothing): every floating dtype, or with ``autocast_only`` only a dtype an enabled autocast
+    casts to (autocast on but casting nothing, as it leaves float64 alone, records nothing).
 
-    def __init__(self) -> None:
+    The full batch's recorder (a float64 model whose loss casts to float32 computes in float32), and each rank's
+    step's under autocast.
+    """
+
+    def __init__(self, autocast_only: bool = False) -> None:
+        self.autocast_only = autocast_only
         self.seen: set[Any] = set()
         self._mode: Any = None
 
-    def __enter__(self) -> AutocastSeen:
+    def __enter__(self) -> DtypesSeen:
         import torch
         from torch.overrides import TorchFunctionMode
 
-        seen = self.seen
+        seen, autocast_only = self.seen, self.autocast_only
 
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
                 casts = {torch.get_autocast_dtype(d) for d in _DEVICES if torch.is_autocast_enabled(d)}
-                for t in (out if isinstance(out, (tuple, list)) else (out,)) if casts else ():
-                    if isinstance(t, torch.Tensor) and t.dtype in casts:  # a dtype is metadata: no read of a value
+                if autocast_only and not casts:
+                    return out
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    # a dtype is metadata: no read of a value; not ``.dtype``'s dtype, ``.shape``'s Size
+                    if isinstance(t, torch.Tensor) and (t.dtype in casts if autocast_only else t.is_floating_point()):
                         seen.add(t.dtype)
                 return out
 
@@ -51,7 +59,7 @@ class AutocastSeen:
         self._mode.__exit__(*exc)
 
     def lowest(self) -> str:
-        """The autocast dtype with the largest machine epsilon (``"torch.bfloat16"``), or "" if autocast was off."""
+        """The dtype seen with the largest machine epsilon (``"torch.bfloat16"``), or "" if none was seen."""
         import torch
 
         return str(max(self.seen, key=lambda d: (torch.finfo(d).eps, str(d)))) if self.seen else ""
@@ -64,7 +72,7 @@ def step_precision(truth: Truth, rtol: float, explicit: bool, steps: Iterable[st
         truth: the full batch's truth (its ``roundoff`` from what it computes in).
         rtol: the tolerance chosen for the full batch.
         explicit: whether the user gave ``rtol`` (it is then kept: only the diagnosis of round-off widens).
-        steps: each rank's :meth:`AutocastSeen.lowest` ("" where autocast was off).
+        steps: each rank's :meth:`DtypesSeen.lowest` ("" where autocast was off).
 
     Returns:
         (the truth, with the step's round-off where it is wider; the tolerance; a note for the diagnosis, or "").

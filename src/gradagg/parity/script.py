@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradagg.errors import ScriptError
 from gradagg.parity.digest import data_digest, first_difference, model_digest
+from gradagg.parity.precision import DtypesSeen
 
 if TYPE_CHECKING:  # torch loads when a check runs, not when `gradagg parity --help` parses
     import torch
@@ -216,51 +217,13 @@ def check_loaded(script: Script, size: int | None = None) -> Checked:
     window = load_window(script, size)
     model = build_checked(script)
     digest = model_digest(model)  # before the backward, as the ranks take theirs before the step
-    with LowestFloat() as seen:
+    with DtypesSeen() as seen:
         grads = full_batch_grads(script, model, window)
     changed = first_difference(_parameters(digest, model), _parameters(model_digest(model), model))
     if changed is not None:
         raise ScriptError(f"{path}: full_batch_loss() changed the model ({changed}); it must only compute the "
                           "loss: the ranks' step starts from build_model()'s weights, so no truth to compare with")
-    return Checked(script, window, grads, digest, data_digest(window), seen.lowest() or "")
-
-
-class LowestFloat:
-    """Records the floating dtypes of every torch operation's result while it is entered (a public
-    ``torch.overrides.TorchFunctionMode``): a float64 model whose loss casts to float32 computes in float32."""
-
-    def __init__(self) -> None:
-        self.seen: set[Any] = set()
-        self._mode: Any = None
-
-    def __enter__(self) -> LowestFloat:
-        from torch import Tensor
-        from torch.overrides import TorchFunctionMode
-
-        seen = self.seen
-
-        class _Mode(TorchFunctionMode):
-            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-                out = func(*args, **(kwargs or {}))
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, Tensor) and t.is_floating_point():  # not ``.dtype``'s dtype, ``.shape``'s Size
-                        seen.add(t.dtype)
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._mode.__exit__(*exc)
-
-    def lowest(self) -> str | None:
-        """The dtype seen with the largest machine epsilon (``"torch.bfloat16"``...), or None if none was seen."""
-        import torch
-
-        if not self.seen:
-            return None
-        return str(max(self.seen, key=lambda d: (torch.finfo(d).eps, str(d))))
+    return Checked(script, window, grads, digest, data_digest(window), seen.lowest())
 
 
 def _parameters(digest: dict[str, str], model: torch.nn.Module) -> dict[str, str]:

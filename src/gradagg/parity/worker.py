@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradagg.parity.digest import data_digest, model_digest
 from gradagg.parity.layouts import rank_slice
-from gradagg.parity.precision import AutocastSeen
+from gradagg.parity.precision import DtypesSeen
 from gradagg.parity.script import describe, load_script, read_grad, user_state
 from gradagg.parity.shards import piece_of
 from gradagg.parity.types import Layout, Piece, RankResult
@@ -101,7 +101,8 @@ def _run(path: str, layout: Layout, size: int | None, cwd: str) -> RankResult:
         phase = "prepare()"
         wrapped = _prepared(script.module, model, cwd) if script.has_prepare else model
         phase = "step()"
-        with user_state(cwd), AutocastSeen() as autocast:  # a step under autocast is judged at its precision
+        # a step under autocast is judged at its precision
+        with user_state(cwd), DtypesSeen(autocast_only=True) as autocast:
             script.module.step(wrapped, window[rank_slice(layout, rank)])
         result.computes_in = autocast.lowest()
         phase = "reading the gradients"  # locally: a DTensor's shard, not full_tensor() (a collective)
