@@ -193,12 +193,14 @@ def form_world(form: str, size: Size) -> dict[str, Any]:
     return {"times": times, "peak": peak_rss_mib(), "base": base, "params": params, "padded": padded}
 
 
-def measure(size: Size, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, dict[str, Any]]:
+def measure(size: Size, rounds: int, forms: tuple[str, ...] = FORMS, worker: Any = None) -> dict[str, dict[str, Any]]:
+    """Each form in a fresh world of ``RANKS`` ranks, the forms in turn, ``rounds`` times over (``worker``: the
+    rank's function, ``form_world`` by default; bench/bench_fsdp1.py passes its own)."""
     world = {"collective_timeout_s": 300.0, "timeout_s": 3600.0}
     out: dict[str, dict[str, Any]] = {f: {"times": [], "peak": [], "own": [], "padded": []} for f in forms}
     for _ in range(rounds):
         for form in forms:
-            ranks = run_local_world(form_world, RANKS, form, size, **world)
+            ranks = run_local_world(worker or form_world, RANKS, form, size, **world)
             o = out[form]
             o["times"] += ranks[0]["times"]  # after the closing barrier: the same step time on every rank
             o["peak"].append(max(r["peak"] for r in ranks))
@@ -208,18 +210,19 @@ def measure(size: Size, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str
     return out
 
 
-def table(out: dict[str, dict[str, Any]]) -> str:
-    base = out[BASELINE]
+def table(out: dict[str, dict[str, Any]], baseline: str = BASELINE, name: str = "shards-only") -> str:
+    """The forms' medians and ratios against ``baseline`` (its column headed ``x {name}``)."""
+    base = out[baseline]
     t0, own0, peak0 = statistics.median(base["times"]), max(base["own"]), max(base["peak"])
     rows = [
-        "| form | step time, s (median) | x shards-only | peak RSS, MiB | x | step's own RSS, MiB | x "
+        f"| form | step time, s (median) | x {name} | peak RSS, MiB | x | step's own RSS, MiB | x "
         "| padding rounds per rank |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for form in out:
         o = out[form]
         t, own, peak = statistics.median(o["times"]), max(o["own"]), max(o["peak"])
-        pads = " ".join(str(p) for p in o["padded"]) if "gradagg shards" in form else "-"
+        pads = " ".join(str(p) for p in o["padded"]) if form.startswith("gradagg") and "window" not in form else "-"
         rows.append(
             f"| {form} | {t:.3f} | {t / t0:.2f} | {peak:.0f} | {peak / peak0:.2f} | {own:.0f} | {own / own0:.2f} "
             f"| {pads} |"

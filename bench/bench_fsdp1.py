@@ -24,17 +24,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_fsdp import QUICK, Size, Transformer, batches, loss_sum, malloc_returns_memory, peak_rss_mib, rss_mib
+from bench_fsdp import (
+    QUICK,
+    Size,
+    Transformer,
+    batches,
+    loss_sum,
+    malloc_returns_memory,
+    measure,
+    peak_rss_mib,
+    rss_mib,
+    table,
+)
 from torch import nn
 
-from gradagg.testing import run_local_world
 from gradagg.torch import MicrobatchAccumulator
 
 RANKS, M = 4, 4
@@ -99,37 +108,6 @@ def form_world(form: str, size: Size) -> dict[str, Any]:
             "params": sum(p.numel() for p in model.parameters()) * dist.get_world_size()}
 
 
-def measure(size: Size, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, dict[str, Any]]:
-    world = {"collective_timeout_s": 300.0, "timeout_s": 3600.0}
-    out: dict[str, dict[str, Any]] = {f: {"times": [], "peak": [], "own": [], "padded": []} for f in forms}
-    for _ in range(rounds):
-        for form in forms:
-            ranks = run_local_world(form_world, RANKS, form, size, **world)
-            o = out[form]
-            o["times"] += ranks[0]["times"]  # after the closing barrier: the same step time on every rank
-            o["peak"].append(max(r["peak"] for r in ranks))
-            o["own"].append(max(r["peak"] - r["base"] for r in ranks))
-            o["padded"] = [r["padded"] for r in ranks]
-            o["params"] = ranks[0]["params"]
-    return out
-
-
-def table(out: dict[str, dict[str, Any]]) -> str:
-    base = out[BASELINE]
-    t0, own0, peak0 = statistics.median(base["times"]), max(base["own"]), max(base["peak"])
-    rows = [
-        "| form | step time, s (median) | x baseline | peak RSS, MiB | x | step's own RSS, MiB | x "
-        "| padding rounds per rank |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for form, o in out.items():
-        t, own, peak = statistics.median(o["times"]), max(o["own"]), max(o["peak"])
-        pads = " ".join(str(p) for p in o["padded"]) if form.startswith("gradagg") else "-"
-        rows.append(f"| {form} | {t:.3f} | {t / t0:.2f} | {peak:.0f} | {peak / peak0:.2f} | {own:.0f} | "
-                    f"{own / own0:.2f} | {pads} |")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, one round, one timed step")
@@ -137,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     size, rounds = (QUICK, 1) if args.quick else (DEFAULT, args.rounds)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # others share these cores: say how busy they were
-    out = measure(size, rounds)
-    print(table(out))
+    out = measure(size, rounds, FORMS, form_world)
+    print(table(out, BASELINE, "baseline"))
     params = out[BASELINE]["params"]
     print(f"\nModel: {size.layers} encoder blocks, d = {size.d}, vocab {size.vocab}: {params / 1e6:.1f} M parameters, "
           f"float32, FSDP1 FULL_SHARD per block and root; {RANKS} gloo ranks, 1 thread each; M = {M} "
