@@ -43,8 +43,6 @@ collectives per microbatch, and pad, as this form does; ``fsdp="window"`` is ref
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +55,7 @@ from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.window import OUTSIDE
 from gradagg.torch.accumulate.wrappers import padding
 from gradagg.torch.accumulate.wrappers.pad_run import Sides
-from gradagg.torch.accumulate.wrappers.padding import Pad, Round
+from gradagg.torch.accumulate.wrappers.padding import Pad, Rounds
 from gradagg.torch.accumulate.wrappers.plain import Plain
 from gradagg.torch.collectives import Group, get_world_size, reduce_scatter_sum_async
 
@@ -154,7 +152,7 @@ def refusal(module: nn.Module, mode: str, world: int) -> str | None:
     return None
 
 
-class Fsdp1Shards(Plain):
+class Fsdp1Shards(Rounds, Plain):
     """The :class:`~gradagg.torch.accumulate.seam.Wrapper` of FSDP1 (see the module docstring).
 
     Args:
@@ -166,24 +164,19 @@ class Fsdp1Shards(Plain):
         hybrid: the units use a hybrid strategy: FSDP1 averages over ``group`` itself (no hook).
 
     Attributes:
-        rounds, pad, kept, padding, failure, agreed, done, padded: as :class:`~.fsdp_shards.FsdpShards`'s.
-        zero_padding_loss: a padding microbatch's loss is multiplied by zero (the hybrid strategies: no hook drops
-            its gradient).
+        rounds, pad, kept, padding, failure, agreed, done, padded, zero_padding_loss: the rounds' state
+            (:class:`.padding.Rounds`); the padding's loss is multiplied by zero under the hybrid strategies, where
+            no hook drops its gradient.
     """
 
     name = "fsdp1 shards"
 
     def __init__(self, roots: list[nn.Module], n_params: int, pad: Pad, group: Group, hybrid: bool = False) -> None:
-        super().__init__()
-        self.hybrid = self.zero_padding_loss = hybrid
+        Plain.__init__(self)
+        Rounds.__init__(self, pad, group, zero_padding_loss=hybrid)
+        self.hybrid = hybrid
         self.external = frozenset(range(n_params))
         self.roots, self.group = roots, group
-        self.rounds = get_world_size(group) > 1
-        self.pad, self.padding = pad, False
-        self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.failure: str | None = None
-        self.agreed: Round | None = None
-        self.done, self.padded = False, 0
         self._side = _NoReplicas()
         self._hooks: list[_Hook] = []
 
@@ -225,18 +218,9 @@ class Fsdp1Shards(Plain):
         elif w.open:
             w.fail(OUTSIDE, "an FSDP1 backward ran outside microbatch() (not counted in M)")
 
-    def microbatches(self, state: State, items: Iterable[Any]) -> Iterator[Any] | None:
-        return padding.rounds(state, self, items) if self.rounds else None
-
     def before_microbatch(self, state: State, last: bool, lookahead: bool | None) -> bool:
         rnd = padding.enter(state, self)  # the round, agreed with the other ranks (a rank that ran out pads)
         return padding.sends_early(self, rnd, last)
-
-    def after_microbatch(self, state: State) -> None:
-        self.agreed = None
-
-    def explained(self, state: State, exc: BaseException) -> BaseException:
-        return padding.explained(state, self.agreed, exc)
 
     def prepare(self, state: State, ran: bool) -> None:
         padding.finish_rounds(state, self)  # a rank with none pads while the others still run theirs
@@ -267,14 +251,11 @@ class Fsdp1Shards(Plain):
 
     def close(self, state: State) -> None:
         state.padded_last = self.padded
-        self._new_window()
+        self.new_rounds()
 
     def discard(self, state: State) -> None:
         self.padding = False
-        self._new_window()
-
-    def _new_window(self) -> None:
-        self.agreed, self.done, self.padded = None, False, 0
+        self.new_rounds()
 
     def release(self) -> None:
         for hook in self._hooks:

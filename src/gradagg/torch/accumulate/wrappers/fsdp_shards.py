@@ -13,9 +13,6 @@ rounds, the padding's inputs and its failures are this wrapper's own state, the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import Any
-
 import torch
 
 from gradagg.torch.accumulate import hooks
@@ -25,8 +22,8 @@ from gradagg.torch.accumulate.window import HAND_SET, KEPT
 from gradagg.torch.accumulate.wrappers import padding
 from gradagg.torch.accumulate.wrappers.fsdp import FsdpParams, low_precision
 from gradagg.torch.accumulate.wrappers.fsdp_window import FsdpWindow
-from gradagg.torch.accumulate.wrappers.padding import Pad, Round
-from gradagg.torch.collectives import Group, get_world_size
+from gradagg.torch.accumulate.wrappers.padding import Pad, Rounds
+from gradagg.torch.collectives import Group
 from gradagg.torch.placements import local_tensor
 
 
@@ -34,7 +31,7 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(dtype=torch.promote_types(torch.float32, t.dtype), copy=True)
 
 
-class FsdpShards(FsdpWindow):
+class FsdpShards(Rounds, FsdpWindow):
     """The :class:`~gradagg.torch.accumulate.seam.Wrapper` of FSDP2's shards form.
 
     Args:
@@ -44,27 +41,17 @@ class FsdpShards(FsdpWindow):
         group: the accumulator's group: in a group of more than one rank the window runs in agreed rounds.
 
     Attributes:
-        rounds: whether the ranks agree on every microbatch and short ranks pad (a group of more than one rank).
-        pad, kept, padding, failure: the padding batch; the root module's last forward inputs ``(args, kwargs)``,
-            replayed by ``pad="replay"``; whether a padding microbatch is running (its gradients are dropped);
-            a padding failure here, told at the next round.
-        agreed, done, padded: this window's round agreed for the microbatch about to run; whether a round found no
-            rank with a microbatch; the padding microbatches run here.
+        rounds, pad, kept, padding, failure, agreed, done, padded: the rounds' state (:class:`.padding.Rounds`).
         sums: this window's shards FSDP reduced, summed in float32 at least, by parameter index.
     """
 
     name = "fsdp shards"
 
     def __init__(self, side: FsdpParams, sharded: frozenset[int], pad: Pad, group: Group) -> None:
-        super().__init__(side, sharded)
+        FsdpWindow.__init__(self, side, sharded)
+        # its padding's gradients are dropped in their hooks, before FSDP sees them: no zero loss
+        Rounds.__init__(self, pad, group, zero_padding_loss=False)
         self.external = sharded
-        self.rounds = get_world_size(group) > 1
-        self.zero_padding_loss = False  # its padding's gradients are dropped in their hooks, before FSDP sees them
-        self.pad, self.padding = pad, False
-        self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.failure: str | None = None
-        self.agreed: Round | None = None
-        self.done, self.padded = False, 0
         self.sums: dict[int, torch.Tensor] = {}
 
     def install(self, state: State) -> None:
@@ -94,9 +81,6 @@ class FsdpShards(FsdpWindow):
             total.add_(local.detach())
         param.grad = None
 
-    def microbatches(self, state: State, items: Iterable[Any]) -> Iterator[Any] | None:
-        return padding.rounds(state, self, items) if self.rounds else None
-
     def before_microbatch(self, state: State, last: bool, lookahead: bool | None) -> bool:
         rnd = padding.enter(state, self)  # the round, agreed with the other ranks (a rank that ran out pads)
         self.side.set_all_reduce(padding.all_reduce_now(rnd, last, lookahead))
@@ -108,12 +92,6 @@ class FsdpShards(FsdpWindow):
             if unsharded is not None and unsharded.grad is not None:
                 # FSDP's backward already reduced and cleared it; a later one would absorb this
                 state.window.fail(HAND_SET, f"parameter {state.names[i]!r}: a .grad was set after FSDP reduced it")
-
-    def after_microbatch(self, state: State) -> None:
-        self.agreed = None
-
-    def explained(self, state: State, exc: BaseException) -> BaseException:
-        return padding.explained(state, self.agreed, exc)
 
     def prepare(self, state: State, ran: bool) -> None:
         padding.finish_rounds(state, self)  # a rank with none pads while the others still run theirs
@@ -153,7 +131,7 @@ class FsdpShards(FsdpWindow):
         self._new_window()
 
     def _new_window(self) -> None:
-        self.agreed, self.done, self.padded = None, False, 0
+        self.new_rounds()
         self.sums = {}
 
     def refuses_terms(self) -> str | None:

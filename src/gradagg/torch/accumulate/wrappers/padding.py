@@ -48,7 +48,7 @@ from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.torch.accumulate import finish, opening
 from gradagg.torch.accumulate.state import State
 from gradagg.torch.accumulate.wrappers import pad_run
-from gradagg.torch.collectives import all_gather_object, all_reduce_sum
+from gradagg.torch.collectives import all_gather_object, all_reduce_sum, get_world_size
 
 if TYPE_CHECKING:
     from gradagg.torch.accumulate.wrappers.pad_run import Padder
@@ -83,6 +83,49 @@ class Round:
     def everyone(self) -> bool:
         """Every rank runs a real microbatch: no padding in this round."""
         return len(self.running) == self.world
+
+
+class Rounds:
+    """The rounds' and padding's state of a shards form (FSDP2's :class:`~.fsdp_shards.FsdpShards`, FSDP1's
+    :class:`~.fsdp1.Fsdp1Shards`: each starts from it), and the wrapper methods that are the same for both.
+
+    Args:
+        pad: the padding batch (see the module docstring).
+        group: the accumulator's group: in a group of more than one rank the window runs in agreed rounds.
+        zero_padding_loss: a padding microbatch's loss is multiplied by zero (where no hook drops its gradients
+            before the wrapper reduces them).
+
+    Attributes:
+        rounds: whether the ranks agree on every microbatch and short ranks pad (a group of more than one rank).
+        pad, kept, padding, failure: the padding batch; the root module's last forward inputs ``(args, kwargs)``,
+            replayed by ``pad="replay"``; whether a padding microbatch is running (its gradients are dropped);
+            a padding failure here, told at the next round.
+        agreed, done, padded: this window's round agreed for the microbatch about to run; whether a round found no
+            rank with a microbatch; the padding microbatches run here.
+    """
+
+    def __init__(self, pad: Pad, group: Any, zero_padding_loss: bool) -> None:
+        self.rounds = get_world_size(group) > 1
+        self.zero_padding_loss = zero_padding_loss
+        self.pad, self.padding = pad, False
+        self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.failure: str | None = None
+        self.agreed: Round | None = None
+        self.done, self.padded = False, 0
+
+    def microbatches(self, state: State, items: Iterable[Any]) -> Iterator[Any] | None:
+        # a Padder once subclassed: the shards form adds the side
+        return rounds(state, self, items) if self.rounds else None  # type: ignore[arg-type]
+
+    def after_microbatch(self, state: State) -> None:
+        self.agreed = None
+
+    def explained(self, state: State, exc: BaseException) -> BaseException:
+        return explained(state, self.agreed, exc)
+
+    def new_rounds(self) -> None:
+        """A window ends: its rounds and padding count are forgotten."""
+        self.agreed, self.done, self.padded = None, False, 0
 
 
 def agree(state: State, sh: Padder, now: bool, after: bool | None) -> Round:
@@ -274,6 +317,7 @@ def sends_early(sh: Padder, rnd: Round | None, last: bool) -> bool:
 __all__ = [
     "Pad",
     "Round",
+    "Rounds",
     "agree",
     "all_reduce_now",
     "before_forward",
