@@ -150,7 +150,7 @@ def _case(loop: str, stage: int, clip: float) -> dict[str, Any]:
         expected = truth(before, per_rank, window, clip, extra, same)
         out["norms"].append(float(truth(before, per_rank, window, 0.0, extra, same)["grad"].norm()))
         if acc is None:
-            _native_window(ds, per_rank[rank], window, rank, same)
+            dz.native_window(ds, per_rank[rank], window, rank, same)
         else:
             _exact_window(ds, acc, per_rank, window, rank, extra, loop == "overflow" and window == 1, same)
             ledger = acc.ledger
@@ -180,18 +180,6 @@ def _exact_window(ds: Any, acc: Any, per_rank: list[list[int]], window: int, ran
                 loss = loss * float("inf")
             ds.backward(0 * loss if padding else loss)
     ds.step()
-
-
-def _native_window(ds: Any, mine: list[int], window: int, rank: int, same: bool) -> None:
-    """DeepSpeed's documented loop: the mean loss, engine.step() after every microbatch (its bf16 accumulation);
-    the short last window forced to its boundary, still divided by gradient_accumulation_steps."""
-    for k, valid in enumerate(mine):
-        tokens, labels = dz.microbatch(window, rank, 0 if same else k, valid)
-        if k == len(mine) - 1:
-            ds.set_gradient_accumulation_boundary(True)
-        ds.backward(loss_sum(ds, tokens, labels, False) / valid)
-        ds.step()
-    ds.set_gradient_accumulation_boundary(False)
 
 
 def refusals() -> dict[str, Any]:

@@ -176,7 +176,7 @@ def _case(loop: str, stage: int, clip: float, seed: int) -> dict[str, Any]:
                 counted.append({"m": acc.ledger.microbatches_global, "weighting": acc.ledger.weighting,
                                 "participation": dict(acc.ledger.participation_global or {})})
         else:
-            _native_window(engine, per_rank[rank], window, rank)
+            native_window(engine, per_rank[rank], window, rank)
         after = full(engine)
         applied = torch.cat([(before[n] - after[n]).flatten() for n in before]) / LR
         errors.append(float((applied - truth).norm() / truth.norm()))
@@ -199,11 +199,12 @@ def _exact_window(engine: Any, acc: Any, per_rank: list[list[int]], window: int,
     engine.step()
 
 
-def _native_window(engine: Any, mine: list[int], window: int, rank: int) -> None:
-    """DeepSpeed's documented loop: the mean loss, engine.step() after every microbatch; the short last window
-    forced to its boundary (DeepSpeed would otherwise merge it into the next), still divided by 3."""
+def native_window(engine: Any, mine: list[int], window: int, rank: int, same: bool = False) -> None:
+    """DeepSpeed's documented loop: the mean loss, engine.step() after every microbatch (in bf16, its bf16
+    accumulation); the short last window forced to its boundary (DeepSpeed would otherwise merge it into the next),
+    still divided by gradient_accumulation_steps. ``same``: every microbatch the window's first sequence."""
     for k, valid in enumerate(mine):
-        tokens, labels = microbatch(window, rank, k, valid)
+        tokens, labels = microbatch(window, rank, 0 if same else k, valid)
         if k == len(mine) - 1:
             engine.set_gradient_accumulation_boundary(True)
         engine.backward(loss_sum(engine, tokens, labels, False) / valid)
