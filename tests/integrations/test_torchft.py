@@ -74,12 +74,15 @@ def relative_error(got: dict[str, Any], want: dict[str, Any]) -> float:
 
 
 def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[str]]:
-    """Every committed step exact; every sample applied once or reported; returns the keys applied per step."""
+    """Every committed step exact; every sample applied once or reported; each group's step moved only by its
+    commits (or a heal); the groups that finished at one step hold the same parameters. Returns the keys applied
+    per step."""
     applied: dict[int, list[str]] = collections.defaultdict(list)
     for records in every:
         for rep in reports(records):
-            if rep.committed and rep.applied:
-                applied[rep.step].extend(rep.keys)
+            assert (rep.applied_in is None) == bool(rep.skipped) or not rep.keys, rep.text()
+            if rep.applied_in is not None:
+                applied[rep.applied_in].extend(rep.keys)
     for records in every:
         for rec in records:
             rep = rec.get("report")
@@ -89,6 +92,16 @@ def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[s
                          and r["report"].participating and r["report"].step == rep.step)
             err = relative_error(rec["grads"], truth(start, applied[rep.step]))
             assert err <= TOLERANCE, (rep.text(), err)
+    for records in every:
+        for rec in records:
+            rep = rec.get("report")
+            if rep is not None and rec["step_after"] >= 0:  # never two steps for one: the step after = its own + 1
+                assert rec["step_after"] == rep.step + rep.committed, rep.text()
+    finals = [records[-1]["final"] for records in every if "final" in records[-1]]
+    for step, params in finals:
+        for other_step, other in finals:
+            if other_step == step:
+                assert all(torch.allclose(params[n], other[n], rtol=1e-6, atol=1e-7) for n in params)
     flat = [k for keys in applied.values() for k in keys]
     assert len(flat) == len(set(flat)), "a sample was applied in two committed steps"
     lost = {k for records in every for k in records[-1]["lost"]}  # reported skipped by a group that left
@@ -131,26 +144,96 @@ def test_uneven_groups_every_step_is_the_token_mean_and_torchft_average_is_not(g
             assert relative_error(torchft_step, body(truth(rec["start"], applied[rep.step]))) > 0.01
 
 
-@pytest.mark.parametrize("groups", [2, 3])
-def test_a_group_dying_mid_window_drops_the_step_on_every_group(groups: int) -> None:
-    """Group 1 dies after one microbatch of its second window: that step is committed by nobody; the survivors'
-    reports say so and re-feed their microbatches; the dead group's report names its unapplied ones; the survivors
-    then commit without it, each step the token mean of the survivors' microbatches."""
-    plan = Plan(groups=groups, steps=3, fail=(1, 1))
+@pytest.mark.parametrize(("groups", "async_quorum"), [(2, True), (3, False)])
+def test_the_survivors_commit_the_step_a_group_died_in(groups: int, async_quorum: bool) -> None:
+    """Group 1 dies at its all-reduce of step 1 (its whole window run, nothing sent): the survivors' all-reduce fails,
+    they retry it from their saved windows in a new quorum at the same step and commit it. Step 1 is the exact token
+    mean of the survivors' microbatches; only the dead group's are lost (its report names them); no survivor re-runs
+    a microbatch, and the survivors go on without it."""
+    plan = Plan(groups=groups, steps=3, fail=(1, 1), fail_after=2, async_quorum=async_quorum)
     every = run(plan, min_replicas=groups - 1)
-    check_run(every, plan)
-    dead = [rec for records in every[1::1][:1] for rec in records if "report" in rec]
-    assert [r["report"].committed for r in dead] == [True, False]
-    assert dead[-1]["report"].reason.startswith("injected") and len(dead[-1]["report"].skipped) == 1
-    assert every[1][-1]["lost"] == list(dead[-1]["report"].skipped)
+    applied = check_run(every, plan)
+    dead = reports(every[1])
+    assert [r.committed for r in dead] == [True, False] and len(dead[-1].skipped) == 2
+    assert every[1][-1]["lost"] == list(dead[-1].skipped) and not set(dead[-1].skipped) & set(applied[1])
     for g in [0, *range(2, groups)]:
         reps = reports(every[g])
-        dropped = [r for r in reps if not r.committed]
-        assert [r.step for r in dropped] == [1] and dropped[0].skipped == dropped[0].keys != ()
-        assert "all-reduce failed" in dropped[0].reason or "should_commit" in dropped[0].reason
-        after = [r for r in reps if r.committed and r.step >= 1]
-        assert after and all(len(r.per_participant) == groups - 1 for r in after)
-        assert reps[-1].step == 2 and reps[-1].committed
+        assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == [0, 1, 2]
+        assert [r.attempts for r in reps] == [1, 2, 1], [r.text() for r in reps]
+        assert reps[1].applied_in == 1 and len(reps[1].per_participant) == groups - 1
+        assert set(reps[1].keys) <= set(applied[1])
+
+
+def test_without_retries_the_step_is_dropped_on_every_group() -> None:
+    """``retries=0``, torchft's own behaviour: group 1 dying after one microbatch of its second window drops that
+    step on every group; the survivors' reports say so and re-feed their microbatches; the dead group's report
+    names its unapplied one; the survivors then commit without it, each step the token mean of their microbatches."""
+    plan = Plan(groups=2, steps=3, fail=(1, 1), retries=0)
+    every = run(plan, min_replicas=1)
+    check_run(every, plan)
+    dead = reports(every[1])
+    assert [r.committed for r in dead] == [True, False]
+    assert dead[-1].reason.startswith("injected") and len(dead[-1].skipped) == 1
+    assert every[1][-1]["lost"] == list(dead[-1].skipped)
+    reps = reports(every[0])
+    dropped = [r for r in reps if not r.committed]
+    assert [r.step for r in dropped] == [1] and dropped[0].skipped == dropped[0].keys != ()
+    assert dropped[0].attempts == 1 and dropped[0].applied_in is None
+    assert "all-reduce failed" in dropped[0].reason or "should_commit" in dropped[0].reason
+    after = [r for r in reps if r.committed and r.step >= 1]
+    assert after and all(len(r.per_participant) == 1 for r in after)
+    assert reps[-1].step == 2 and reps[-1].committed
+
+
+@pytest.mark.parametrize(("async_quorum", "lr"), [(True, 0.1), (False, 0.1), (False, 0.0)])
+def test_a_group_whose_own_commit_fails_after_its_data_reached_the_others(async_quorum: bool, lr: float) -> None:
+    """The disagreement one group can cause: group 1's all-reduce of step 1 completes everywhere, then it reports a
+    local error, so its own should_commit() is False while group 0 commits step 1 with group 1's window counted.
+    Group 1's retry quorum heals it from group 0 (its step moves to 2): its window is then stale, and the record of
+    committed windows that the heal brings says group 0 committed it in step 1, so group 1 reports it applied there
+    (not skipped: re-fed, it would count twice), and never steps twice for one step. With ``lr=0`` the heal leaves
+    the parameters as they were: the moved step alone says the window is stale."""
+    plan = Plan(groups=2, steps=3, late_error=(1, 1), per_window=(1, 2), samples=(6, 6), async_quorum=async_quorum,
+                lr=lr)
+    every = run(plan, min_replicas=2)
+    applied = check_run(every, plan)
+    g0, g1 = reports(every[0]), reports(every[1])
+    assert g0[1].committed and g0[1].step == 1 and len(g0[1].per_participant) == 2
+    late = g1[1]
+    assert late.attempts == 2 and late.applied_in == 1 and late.skipped == () and late.step == 2, late.text()
+    assert not late.participating and set(late.keys) <= set(applied[1])
+    assert "applied in step 1 by the other groups" in late.text()
+
+
+@pytest.mark.parametrize("async_quorum", [True, False])
+def test_a_late_survivor_is_healed_and_its_window_skipped(async_quorum: bool) -> None:
+    """Group 2 fails locally before its all-reduce of step 1 (it sends nothing); groups 0 and 1 wait for it until
+    their torchft timeouts (3 s and 6 s; a reconfigured process group may end the wait sooner). Each retries as it
+    comes out: the groups that retry together commit step 1 from their saved windows; a group that comes to its
+    retry after the others committed is healed by its retry's quorum (its step moves): its window, computed on
+    parameters the step no longer holds, is sent as zeros and reported skipped (re-fed), and it commits the others'
+    next step with them. Every committed step exact; each group's step = its own (or healed) step + its commits."""
+    plan = Plan(groups=3, steps=3, local_error=(2, 1), timeouts=(3.0, 6.0, 10.0), async_quorum=async_quorum)
+    every = run(plan, min_replicas=1)
+    check_run(every, plan)
+    retried = [r for records in every for r in reports(records) if r.attempts > 1]
+    assert retried, "no group retried"
+    stale = [r for r in retried if r.reason.startswith("stale")]
+    assert stale, [r.text() for r in retried]
+    assert all(r.committed and r.skipped == r.keys and not r.participating and r.applied_in is None for r in stale)
+
+
+def test_a_heal_at_step_0_with_init_sync_keeps_the_window() -> None:
+    """torchft's ``init_sync`` heals every group but one at step 0, in the retry's quorum too, without moving the
+    step: the parameters it loads are the ones the window was computed on, so the window is not stale. Group 1 dies
+    at step 0; the survivors' retry commits step 0 with both survivors' windows."""
+    plan = Plan(groups=3, steps=2, fail=(1, 0), init_sync=True, async_quorum=False)
+    every = run(plan, min_replicas=2)
+    applied = check_run(every, plan)
+    for g in (0, 2):
+        first = reports(every[g])[0]
+        assert first.attempts == 2 and first.applied_in == 0 and first.participating, first.text()
+        assert len(first.per_participant) == 2 and set(first.keys) <= set(applied[0])
 
 
 @pytest.mark.parametrize("async_quorum", [True, False])
@@ -198,11 +281,11 @@ def test_short_and_empty_last_windows() -> None:
 
 def test_two_ranks_a_group() -> None:
     """2 groups of 2 ranks (the accumulator reduces inside each group over its own process group), group 1 dying
-    at its second window: exact committed steps, the dropped one on every rank of both groups."""
+    at its second window: the survivors' retry commits it on both of group 0's ranks, exact."""
     plan = Plan(groups=2, ranks=2, steps=2, fail=(1, 1), per_window=(1, 2), samples=(3, 4))
     every = run(plan, min_replicas=1)
     check_run(every, plan)
     for rank in (0, 1):
-        assert [r.committed for r in reports(every[rank])] == [True, False, True]
+        assert [(r.committed, r.attempts) for r in reports(every[rank])] == [(True, 1), (True, 2)]
     for rank in (2, 3):
         assert reports(every[rank])[-1].reason.startswith("injected")

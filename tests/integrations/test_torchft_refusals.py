@@ -23,26 +23,34 @@ class Work:
 
 class OneGroup:
     """A manager whose all-reduce adds what the other groups would send (``others``, one tensor per call in order),
-    or fails (``fail=True``: torchft then records the error and ``should_commit()`` is False)."""
+    or fails (``fail=True``: every quorum's; ``fails=k``: the first k quorums'). A failed all-reduce writes NaN over
+    the tensor (torchft: it "may be corrupted"), records the error, and ``should_commit()`` is then False.
+    ``start_quorum()`` clears the error, as torchft's does, and sets ``slots_after`` participants."""
 
-    def __init__(self, others: list[torch.Tensor] | None = None, fail: bool = False) -> None:
-        self.others, self.fail, self.error, self.calls = list(others or []), fail, None, 0
+    def __init__(self, others: list[torch.Tensor] | None = None, fail: bool = False, fails: int = 0,
+                 slots_after: int = 2) -> None:
+        self.others, self.error = list(others or []), None
+        self.fails, self.slots, self.slots_after, self.quorums = (10**6 if fail else fails), 2, slots_after, 0
         self.commits: list[bool] = []
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = None) -> Work:
         assert reduce_op == torch.distributed.ReduceOp.SUM  # never torchft's default AVG
-        if self.fail:
+        if self.quorums < self.fails:
             self.error = RuntimeError("injected all-reduce error")
+            tensor.fill_(float("nan"))
         elif self.others:
             tensor += self.others.pop(0)
         return Work()
+
+    def start_quorum(self) -> None:
+        self.quorums, self.error, self.slots = self.quorums + 1, None, self.slots_after
 
     def should_commit(self) -> bool:
         self.commits.append(self.error is None)
         return self.error is None
 
     def num_participants(self) -> int:
-        return 2
+        return self.slots
 
     def participating_rank(self) -> int:
         return 0
@@ -60,9 +68,9 @@ class OneGroup:
         self.error = e
 
 
-def window(manager: OneGroup, weights: list[float | None]) -> tuple[torch.nn.Linear, Any]:
+def window(manager: OneGroup, weights: list[float | None], retries: int = 1) -> tuple[torch.nn.Linear, Any]:
     lin = torch.nn.Linear(2, 1, bias=False)
-    ft = exact(manager, MicrobatchAccumulator(lin), group="g0")
+    ft = exact(manager, MicrobatchAccumulator(lin), group="g0", retries=retries)
     for i, w in enumerate(weights):
         with ft.microbatch(weight=w, key=i):
             lin(torch.ones(1, 2)).sum().backward()
@@ -80,12 +88,44 @@ def test_the_other_group_adds_its_sum_and_count() -> None:
     assert torch.equal(lin.weight.grad, torch.full((1, 2), 0.625))  # 5 / 8 is exact in binary
 
 
-def test_a_failed_all_reduce_drops_the_window() -> None:
+@pytest.mark.parametrize("retries", [0, 1, 2])
+def test_a_failed_all_reduce_drops_the_window_once_the_retries_are_spent(retries: int) -> None:
     manager = OneGroup(fail=True)
-    lin, ft = window(manager, [3.0, 1.0])
+    lin, ft = window(manager, [3.0, 1.0], retries=retries)
     report = ft.finish()
     assert not report.committed and report.skipped == (0, 1) and lin.weight.grad is None
-    assert manager.commits == [False] and "all-reduce failed" in report.reason and ft.skipped == [0, 1]
+    assert manager.commits == [False] * (1 + retries) and manager.quorums == retries
+    assert "all-reduce failed" in report.reason and ft.skipped == [0, 1] and report.attempts == 1 + retries
+
+
+def test_a_failed_all_reduce_is_retried_from_the_group_s_own_gradients() -> None:
+    """The first attempt fails and leaves NaN in the travelling buffer; the retry's quorum has this group alone
+    (the other died): the step is this group's own token mean, the SUM of its two gradients [1, 1] over its weight
+    3 + 1, 0.5 per element, sent again from the gradients acc.finish() left, never from the corrupted buffer."""
+    manager = OneGroup(fails=1, slots_after=1)
+    lin, ft = window(manager, [3.0, 1.0])
+    report = ft.finish()
+    assert report.committed and report.applied_in == 0 and report.attempts == 2 and report.skipped == ()
+    assert manager.commits == [False, True] and report.per_participant == (4.0,) and report.divisor == 4.0
+    assert torch.equal(lin.weight.grad, torch.full((1, 2), 0.5))
+
+
+@pytest.mark.parametrize("retries", [-1, 1.5, True, "1"])
+def test_retries_must_be_a_count(retries: Any) -> None:
+    with pytest.raises(GradaggError, match=r"retries=.*an int >= 0"):
+        exact(OneGroup(), MicrobatchAccumulator(torch.nn.Linear(1, 1)), retries=retries)
+
+
+def test_one_exact_per_manager() -> None:
+    """torchft keys the state it hands to a healing group by name: a second ReplicaGroups on one manager would
+    collide with the first (torchft asserts); refused, naming the fix."""
+    from torchft import Manager
+
+    manager = Manager.__new__(Manager)  # register_state_dict_fn needs only its two dicts
+    manager._load_state_dict_fns, manager._user_state_dicts = {}, {}
+    exact(manager, MicrobatchAccumulator(torch.nn.Linear(1, 1)))
+    with pytest.raises(GradaggError, match="one exact\\(\\) per manager"):
+        exact(manager, MicrobatchAccumulator(torch.nn.Linear(1, 1)))
 
 
 def test_groups_weighting_differently_are_refused_on_every_group() -> None:
@@ -102,7 +142,7 @@ def test_a_step_with_no_data_anywhere_is_not_committed() -> None:
     manager = OneGroup()
     lin, ft = window(manager, [])
     report = ft.finish()
-    assert not report.committed and report.group_microbatches == 0 and manager.commits == [False]
+    assert not report.committed and report.group_microbatches == 0 and manager.commits == [False, False]
     assert isinstance(manager.error, GradaggError) and "no microbatch in any replica group" in str(manager.error)
 
 

@@ -5,9 +5,10 @@ does not take part in the step):
 
 * the gradient SUM, one flat buffer per (dtype, device): each group's finished gradient times its own divisor
   ``D_g``, zeros where the group gave a parameter no gradient (absent adds nothing: the token mean counts it as 0);
-* the COUNTS, float64 (a float32 count is no longer exact beyond 2**24 tokens): per quorum slot the group's weight
-  and microbatches, one flag per weighting, and each parameter's participation. The slot (torchft's
-  ``participating_rank()``) lets every group read every contributing group's counts after the sum.
+* the COUNTS, float64 (a float32 count is no longer exact beyond 2**24 tokens): per quorum slot the group's weight,
+  microbatches and window token (a random integer below 2**52 naming this window of this group: after the sum every
+  group knows which windows a step holds), one flag per weighting, and each parameter's participation. The slot
+  (torchft's ``participating_rank()``) keeps each contributing group's counts apart through the sum.
 """
 
 from __future__ import annotations
@@ -27,29 +28,35 @@ _NAMES = ("with weights", "without weights", "divided ahead (divisors())")
 Key = tuple[torch.dtype, torch.device]
 
 
+TOKEN_BITS = 52
+"""A window token is below 2**52: exact in float64, and a sum with zeros in the other groups' places."""
+
+
 def counts(m: int, weight: float, mode: int, participation: list[float], slots: int,
-           slot: int | None) -> torch.Tensor:
-    """The group's counts laid out for the sum: ``[weight per slot, microbatches per slot, flags, participation]``.
+           slot: int | None, token: int = 0) -> torch.Tensor:
+    """The group's counts laid out for the sum:
+    ``[weight per slot, microbatches per slot, token per slot, flags, participation]``.
 
     Args:
         m: the group's microbatches; weight: their total weight (0 without weights).
         mode: WEIGHTED, UNWEIGHTED, OTHER or NONE.
         participation: per parameter, the microbatches in which it got a gradient (over the group).
         slots: ``manager.num_participants()``; slot: ``manager.participating_rank()`` (None: not taking part).
+        token: the window's token (see the module's docstring).
 
     Returns:
         A float64 tensor, all zeros when ``slot`` is None.
 
-    >>> counts(2, 7.0, WEIGHTED, [2.0], slots=2, slot=1).tolist()
-    [0.0, 7.0, 0.0, 2.0, 1.0, 0.0, 0.0, 2.0]
+    >>> counts(2, 7.0, WEIGHTED, [2.0], slots=2, slot=1, token=5).tolist()
+    [0.0, 7.0, 0.0, 2.0, 0.0, 5.0, 1.0, 0.0, 0.0, 2.0]
     """
-    out = torch.zeros(2 * slots + _FLAGS + len(participation), dtype=torch.float64)
+    out = torch.zeros(3 * slots + _FLAGS + len(participation), dtype=torch.float64)
     if slot is None:
         return out
-    out[slot], out[slots + slot] = weight, m
+    out[slot], out[slots + slot], out[2 * slots + slot] = weight, m, token
     if mode != NONE:
-        out[2 * slots + mode] = 1
-    out[2 * slots + _FLAGS:] = torch.tensor(participation, dtype=torch.float64)
+        out[3 * slots + mode] = 1
+    out[3 * slots + _FLAGS:] = torch.tensor(participation, dtype=torch.float64)
     return out
 
 
@@ -57,22 +64,25 @@ def counts(m: int, weight: float, mode: int, participation: list[float], slots: 
 class Totals:
     """The summed counts, read back (the same on every group).
 
-    >>> t = Totals.of(torch.tensor([3.0, 4.0, 1.0, 2.0, 2.0, 0.0, 0.0, 1.0], dtype=torch.float64), slots=2)
-    >>> t.divisor, t.microbatches, t.per_slot(), t.participation
-    (7.0, 3, (3.0, 4.0), [1.0])
+    >>> summed = torch.tensor([3.0, 4.0, 1.0, 2.0, 8.0, 9.0, 2.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    >>> t = Totals.of(summed, slots=2)
+    >>> t.divisor, t.microbatches, t.per_slot(), t.participation, t.tokens
+    (7.0, 3, (3.0, 4.0), [1.0], frozenset({8, 9}))
     """
 
     weights: tuple[float, ...]
     per_group_m: tuple[int, ...]
     flags: tuple[int, ...]
     participation: list[float]
+    tokens: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, summed: torch.Tensor, slots: int) -> Totals:
         """Read ``summed`` (laid out by :func:`counts`) for ``slots`` quorum slots."""
         v = summed.tolist()
+        tokens = frozenset(int(x) for x in v[2 * slots:3 * slots] if x)
         return cls(tuple(v[:slots]), tuple(int(x) for x in v[slots:2 * slots]),
-                   tuple(int(x) for x in v[2 * slots:2 * slots + _FLAGS]), v[2 * slots + _FLAGS:])
+                   tuple(int(x) for x in v[3 * slots:3 * slots + _FLAGS]), v[3 * slots + _FLAGS:], tokens)
 
     @property
     def mode(self) -> int:
@@ -113,7 +123,7 @@ class Flats:
     where: list[tuple[Key, int, int]]
 
 
-def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = None) -> Flats:
+def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = None, *, zeros: bool = False) -> Flats:
     """Each parameter's gradient times ``divisor`` (its group's SUM again), zeros where it has none, concatenated.
 
     Args:
@@ -121,7 +131,8 @@ def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = N
         divisor: the group's ``D_g``, what its ``finish()`` divided by.
         reuse: the last window's buffers, written over when they fit (a fresh large buffer costs a page fault per
             page on its first write, every window; the gradients handed out from them were dropped before this
-            window opened, as the accumulator requires).
+            window opened, as the accumulator requires; a retry writes over the buffers of its failed attempt).
+        zeros: send nothing (a stale window): every element zero.
 
     Returns:
         The :class:`Flats`, new tensors (the gradients are not changed).
@@ -133,7 +144,7 @@ def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = N
     sizes: dict[Key, int] = {}
     where: list[tuple[Key, int, int]] = []
     for t in tensors:
-        key, n = (t.dtype, t.device), _local(t.detach()).numel()
+        key, n = (t.dtype, t.device), local(t.detach()).numel()
         where.append((key, sizes.get(key, 0), n))
         sizes[key] = sizes.get(key, 0) + n
     fits = reuse is not None and reuse.where == where
@@ -141,10 +152,10 @@ def flatten(tensors: list[torch.Tensor], divisor: float, reuse: Flats | None = N
         k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
     for t, (key, start, n) in zip(tensors, where):
         out = buffers[key][start:start + n]
-        if t.grad is None:
+        if t.grad is None or zeros:
             out.zero_()
         else:  # one pass: the product written straight into the buffer
-            torch.mul(_local(t.grad).reshape(-1), divisor, out=out)
+            torch.mul(local(t.grad).reshape(-1), divisor, out=out)
     return Flats(buffers, where)
 
 
@@ -163,16 +174,17 @@ def install(tensors: list[torch.Tensor], flats: Flats, divisor: float, participa
         view = flats.buffers[key][start:start + n]
         if p == 0:
             t.grad = None
-        elif t.grad is not None and t.grad is not _local(t.grad):  # a DTensor: its local shard, in place
-            _local(t.grad).copy_(view.view_as(_local(t.grad)))
+        elif t.grad is not None and t.grad is not local(t.grad):  # a DTensor: its local shard, in place
+            local(t.grad).copy_(view.view_as(local(t.grad)))
         else:
             t.grad = view.view_as(t)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (its public ``to_local()``), else the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return t if to_local is None else to_local()  # type: ignore[no-any-return]
 
 
-__all__ = ["NONE", "OTHER", "UNWEIGHTED", "WEIGHTED", "Flats", "Totals", "counts", "flatten", "install"]
+__all__ = ["NONE", "OTHER", "TOKEN_BITS", "UNWEIGHTED", "WEIGHTED", "Flats", "Totals", "counts", "flatten", "install",
+           "local"]

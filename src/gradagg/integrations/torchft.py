@@ -51,6 +51,7 @@ torchft: the manager is the caller's.
 from __future__ import annotations
 
 import contextlib
+import secrets
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -80,6 +81,7 @@ class Manager(Protocol):
     def current_step(self) -> int: ...
     def errored(self) -> Any: ...
     def report_error(self, e: Exception) -> None: ...
+    def start_quorum(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,11 @@ class StepReport:
     """One step as one rank of one replica group saw it.
 
     Attributes:
-        step: torchft's step (``manager.current_step()``) when the window closed.
+        step: torchft's step (``manager.current_step()``) of the last attempt: the step the gradients are for.
         group: the name given to :func:`exact` (torchft's replica id, typically).
         committed: ``should_commit()`` said True: the gradients hold the step's exact mean; step the optimizer.
-        participating: this group's data went into the step's sums (False while healing, or after an error).
+        participating: this group's window went into the last attempt's sums (False while healing, for a stale
+            window, or after an error).
         group_microbatches: the microbatches this group ran in the window (over its ranks).
         group_weight: their total weight (tokens); None without weights.
         microbatches: the microbatches summed over the groups that contributed (None if the all-reduce failed).
@@ -98,8 +101,12 @@ class StepReport:
         per_participant: (weight or microbatches) per quorum slot, the groups that contributed; ``()`` on failure.
         divisor: what the gradients were divided by (None when nothing was divided).
         keys: the keys of this rank's microbatches in the window, in order.
-        skipped: the keys that no committed step applied: all of ``keys`` unless committed and participating.
+        skipped: the keys that no committed step applied: ``keys`` unless :attr:`applied_in` is set.
         reason: why the window was not applied ("" when it was).
+        applied_in: the committed step whose mean holds this window: ``step``, or an earlier step that the other
+            groups committed while this group's own commit failed (it learns so when the retry heals it); None when
+            no committed step holds it.
+        attempts: how many times the window went through torchft's all-reduce (more than 1 after a retry).
 
     >>> StepReport(step=3, group="g0", committed=False, participating=True, group_microbatches=2,
     ...            group_weight=7.0, keys=("a", "b"), skipped=("a", "b"), reason="should_commit() was False").text()
@@ -119,6 +126,8 @@ class StepReport:
     keys: tuple[Hashable, ...] = ()
     skipped: tuple[Hashable, ...] = ()
     reason: str = ""
+    applied_in: int | None = None
+    attempts: int = 1
 
     @property
     def applied(self) -> bool:
@@ -133,10 +142,15 @@ class StepReport:
         """
         w = "" if self.group_weight is None else f", weight {self.group_weight:g}"
         what = f"{self.group_microbatches} microbatches{w}"
-        if self.applied:
-            return f"step {self.step}, group {self.group}: applied {what}; step divided by {self.divisor:g}"
-        keys = ", ".join(str(k) for k in self.skipped)
-        return f"step {self.step}, group {self.group}: NOT applied ({self.reason}): {what} skipped: keys {keys}"
+        tries = "" if self.attempts == 1 else f" ({self.attempts} attempts)"
+        if not self.applied:
+            keys = ", ".join(str(k) for k in self.skipped)
+            head = f"step {self.step}, group {self.group}: NOT applied ({self.reason}){tries}"
+            return f"{head}: {what} skipped: keys {keys}"
+        if self.applied_in is not None and self.applied_in != self.step:
+            return (f"step {self.step}, group {self.group}: {what} applied in step {self.applied_in} by the other "
+                    f"groups{tries}; this group healed to step {self.step}")
+        return f"step {self.step}, group {self.group}: applied {what}{tries}; step divided by {self.divisor:g}"
 
 
 @dataclass
@@ -148,22 +162,51 @@ class _Group:
     mode: int
     divisor: float  # D_g: what acc.finish() divided by (1 when it did not run)
     participation: list[float] = field(default_factory=list)
+    token: int = 0  # names this window of this group in the step's sums (0: it sends nothing)
+
+
+@dataclass
+class _Attempt:
+    """One pass of the window through torchft: the quorum it ran in, what it sent, what came back."""
+
+    step: int
+    slots: int
+    sent: bool  # this group's window went into the sums (not stale, not healing)
+    total: sums.Totals | None  # None: the all-reduce failed
+    failure: str = ""  # why it did not commit ("" when it did)
+
+
+_KEEP_STEPS = 64
+"""Steps whose committed window tokens a group remembers (and hands to a group that heals from it): a group behind by
+more than this many steps cannot have had its window committed by the others (every step after it was a new quorum)."""
 
 
 class ReplicaGroups:
     """A :class:`~gradagg.torch.MicrobatchAccumulator` inside a replica group, its windows summed across groups
     through torchft. Made by :func:`exact`; see the module's docstring for the loop."""
 
-    def __init__(self, manager: Manager, accumulator: MicrobatchAccumulator, group: str) -> None:
+    def __init__(self, manager: Manager, accumulator: MicrobatchAccumulator, group: str, retries: int = 1) -> None:
         if accumulator.state.terms:
             raise GradaggError(
                 f"exact(manager, acc): acc has terms={list(accumulator.state.terms)}, each term divided by its own "
                 "count; a gradient so divided cannot be re-divided across replica groups: build it without terms="
             )
-        self.manager, self.accumulator, self.group = manager, accumulator, group
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise GradaggError(f"exact(manager, acc, retries={retries!r}): retries is a count of retried "
+                               "reductions per step, an int >= 0 (0: torchft's own behaviour, the step dropped)")
+        self.manager, self.accumulator, self.group, self.retries = manager, accumulator, group, retries
         self.history: list[StepReport] = []
         self._keys: list[Hashable] = []
         self._flats: sums.Flats | None = None  # the window's SUM, its buffers kept for the next window
+        self._committed: dict[int, frozenset[int]] = {}  # step -> the window tokens it holds
+        self._healed = False  # a heal loaded a peer's state since the window closed
+        register = getattr(manager, "register_state_dict_fn", None)
+        if register is not None:  # a heal then brings the peer's record of committed windows
+            try:
+                register("gradagg", self._load_record, self._record)
+            except AssertionError:  # torchft asserts on a key registered twice
+                raise GradaggError("exact(manager, acc): this manager already has a gradagg ReplicaGroups; "
+                                   "make one exact() per manager") from None
 
     @contextlib.contextmanager
     def microbatch(self, weight: object = None, *, key: Hashable = None, last: bool = False) -> Iterator[Microbatch]:
@@ -193,7 +236,7 @@ class ReplicaGroups:
         return self.accumulator.microbatches(items)
 
     def finish(self) -> StepReport:
-        """Close the window across the replica groups; see the module's docstring for the four stages.
+        """Close the window across the replica groups; see the module's docstring for the stages and the retry.
 
         Returns:
             The :class:`StepReport`; the gradients are the step's exact mean when ``committed``, None otherwise.
@@ -204,36 +247,27 @@ class ReplicaGroups:
         """
         keys, self._keys = tuple(self._keys), []
         mine = self._close_group()
-        slots = self.manager.num_participants()  # waits for the quorum: a healing group's step is set by then
-        step = self.manager.current_step()
-        counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots,
-                             self.manager.participating_rank())
-        flats = self._flats = sums.flatten(self.accumulator.state.tensors, mine.divisor, self._flats)
-        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in [*flats.buffers.values(), counts]]
-        for work in works:
-            work.wait()
-        made: dict[str, Any] = dict(step=step, group=self.group, group_microbatches=mine.microbatches, keys=keys,
-                                    group_weight=mine.weight if mine.mode == WEIGHTED else None, participating=False)
-        if self.manager.errored() is not None:
-            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
-            # of failed commits; it says False here
-            self.manager.should_commit()
-            return self._drop(made, "a torchft all-reduce failed (a replica group died or timed out)")
-        total = sums.Totals.of(counts, slots)
-        made.update(participating=self.manager.is_participating(), microbatches=total.microbatches,
-                    per_participant=total.per_slot(), weight=total.weight if total.mode == WEIGHTED else None)
-        problem = total.problem(self.group)
-        if problem is not None:  # the same sums on every group: every group raises
-            self.manager.report_error(problem)
-            self.manager.should_commit()
-            self._discard()
-            raise problem
-        if total.divisor == 0:  # should_commit() then says False on every group
-            self.manager.report_error(GradaggError("no microbatch in any replica group: there is no mean to take"))
-        else:
-            sums.install(self.accumulator.state.tensors, flats, total.divisor, total.participation)
-            made["divisor"] = total.divisor
-        return self._commit(made)
+        self._healed = False
+        # a group healing under the async quorum computed its window on parameters it is about to replace, and one
+        # that ran nothing has nothing to send: neither window can count, in this attempt or a retry
+        usable = mine.microbatches > 0
+        before: torch.Tensor | None = None  # the parameters' fingerprint, taken before the first retry's quorum
+        first_step = -1
+        for n in range(1 + self.retries):
+            if n > 0:
+                before = _fingerprint(self.accumulator.state.tensors) if before is None else before
+                self.manager.start_quorum()  # a failed commit kept the step: the new quorum is at the same step
+            slots = self.manager.num_participants()  # waits for the quorum: a healing group's step is set by then
+            step = self.manager.current_step()
+            if n == 0:
+                first_step = step
+            elif usable:
+                usable = not self._stale(first_step, step, before)
+            usable = usable and self.manager.is_participating()
+            attempt = self._reduce(mine, slots, step, usable)
+            if not attempt.failure:
+                return self._commit(mine, keys, attempt, first_step, n + 1)
+        return self._drop(mine, keys, attempt, first_step, 1 + self.retries)
 
     def abandon(self, why: str) -> StepReport:
         """Drop this rank's window locally (a group failing on its own, before it leaves) and report it skipped.
@@ -275,10 +309,12 @@ class ReplicaGroups:
         local = acc.ledger if st.window.open else None
         m_here = 0 if local is None else local.microbatches_local
         w_here = 0.0 if local is None else local.weight_local or 0.0
-        here = torch.tensor([float(m_here), float(w_here)], dtype=torch.float64)
+        # the token: drawn by the group's first rank, the others add 0
+        token = (secrets.randbits(sums.TOKEN_BITS) or 1) if st.rank == 0 else 0
+        here = torch.tensor([float(m_here), float(w_here), float(token)], dtype=torch.float64)
         if st.world > 1:  # the group's ranks agree on whether it ran anything before anyone finishes
             dist.all_reduce(here, group=st.group)
-        m, w = int(here[0]), float(here[1])
+        m, w, token = int(here[0]), float(here[1]), int(here[2])
         if m == 0 or (local is not None and local.weighting == "weighted" and w == 0):
             acc.discard()  # the accumulator refuses an empty window: this group sends zeros instead
             mode = NONE if m == 0 else WEIGHTED
@@ -288,20 +324,114 @@ class ReplicaGroups:
         weight = ledger.weight_global if ledger.weight_global is not None else 0.0
         part = ledger.participation_global or {}
         divisor = 1.0 if ledger.divisor is None else float(ledger.divisor)
-        return _Group(ledger.microbatches_global or 0, weight, mode, divisor, [float(part[n]) for n in st.names])
+        return _Group(ledger.microbatches_global or 0, weight, mode, divisor, [float(part[n]) for n in st.names],
+                      token)
 
-    def _commit(self, made: dict[str, Any]) -> StepReport:
-        """Stage 4: torchft's commit decides; a dropped step's gradients are dropped with it."""
+    def _reduce(self, mine: _Group, slots: int, step: int, send: bool) -> _Attempt:
+        """Stages 2 to 4 once: the SUM and the counts through torchft's all-reduce, read back, and the commit.
+
+        The group's own gradients (``acc.finish()``'s, divided by ``D_g``) are left as they are until the step
+        commits: they are the window a retry sends again (the all-reduced buffer may be corrupted by a failure, as
+        torchft warns), so a retry needs no second gradient-sized buffer.
+        """
+        tensors = self.accumulator.state.tensors
+        slot = self.manager.participating_rank() if send else None
+        counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots, slot,
+                             mine.token if send else 0)
+        flats = self._flats = sums.flatten(tensors, mine.divisor, self._flats, zeros=not send)
+        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in [*flats.buffers.values(), counts]]
+        for work in works:
+            work.wait()
+        if self.manager.errored() is not None:
+            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
+            # of failed commits; it says False here
+            self.manager.should_commit()
+            return _Attempt(step, slots, send, None, "a torchft all-reduce failed (a replica group died or timed out)")
+        total = sums.Totals.of(counts, slots)
+        problem = total.problem(self.group)
+        if problem is not None:  # the same sums on every group: every group raises
+            self.manager.report_error(problem)
+            self.manager.should_commit()
+            self._discard()
+            raise problem
+        if total.divisor == 0:  # should_commit() then says False on every group
+            self.manager.report_error(GradaggError("no microbatch in any replica group: there is no mean to take"))
         if not self.manager.should_commit():
-            return self._drop(made, "should_commit() was False")
-        keys = made["keys"]
-        healing = not made["participating"] and keys
-        reason = "not participating (healing, or a spare): this group's data sat the step out" if healing else ""
-        return self._keep(StepReport(committed=True, skipped=keys if reason else (), reason=reason, **made))
+            return _Attempt(step, slots, send, total, "should_commit() was False")
+        sums.install(tensors, flats, total.divisor, total.participation)
+        self._remember(step, total.tokens)
+        return _Attempt(step, slots, send, total)
 
-    def _drop(self, made: dict[str, Any], why: str) -> StepReport:
+    def _stale(self, first_step: int, step: int, before: torch.Tensor | None) -> bool:
+        """The retry's quorum healed this group: its window was computed on parameters the step no longer holds.
+
+        Its step moved (the others committed the step), or a heal at the same step (torchft's ``init_sync`` at
+        step 0) replaced its parameters with different ones. The group's ranks agree (one small all-reduce).
+        """
+        moved = step != first_step
+        changed = self._healed and before is not None and not torch.equal(before, _fingerprint(
+            self.accumulator.state.tensors))
+        flag = torch.tensor([float(moved or changed)], dtype=torch.float64)
+        st = self.accumulator.state
+        if st.world > 1:
+            dist.all_reduce(flag, group=st.group)
+        return bool(flag.item())
+
+    def _commit(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,
+                attempts: int) -> StepReport:
+        """The step committed: the gradients hold its mean; say where this group's window went."""
+        total = attempt.total
+        assert total is not None
+        made = self._made(mine, keys, attempt, attempts, divisor=total.divisor)
+        if attempt.sent or not keys:
+            return self._keep(StepReport(committed=True, applied_in=attempt.step, **made))
+        elsewhere = self._applied_elsewhere(mine, first_step)
+        if elsewhere is not None:
+            return self._keep(StepReport(committed=True, applied_in=elsewhere, **made))
+        why = ("not participating (healing, or a spare): this group's data sat the step out" if attempts == 1 else
+               f"stale: the retry's quorum healed this group (step {first_step} -> {attempt.step}): its window was "
+               "computed on parameters the step no longer holds")
+        return self._keep(StepReport(committed=True, skipped=keys, reason=why, **made))
+
+    def _drop(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,
+              attempts: int) -> StepReport:
+        """No attempt committed: the gradients are dropped; the window is skipped unless another group committed it."""
         self._discard()
-        return self._keep(StepReport(committed=False, skipped=made["keys"], reason=why, **made))
+        made = self._made(mine, keys, attempt, attempts, divisor=None)
+        elsewhere = self._applied_elsewhere(mine, first_step)
+        if elsewhere is not None:
+            return self._keep(StepReport(committed=False, applied_in=elsewhere, **made))
+        return self._keep(StepReport(committed=False, skipped=keys, reason=attempt.failure, **made))
+
+    def _made(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, attempts: int,
+              divisor: float | None) -> dict[str, Any]:
+        total = attempt.total
+        weighted = total is not None and total.mode == WEIGHTED
+        return dict(step=attempt.step, group=self.group, group_microbatches=mine.microbatches, keys=keys,
+                    group_weight=mine.weight if mine.mode == WEIGHTED else None, attempts=attempts,
+                    participating=attempt.sent and total is not None, divisor=divisor,
+                    microbatches=None if total is None else total.microbatches,
+                    per_participant=() if total is None else total.per_slot(),
+                    weight=total.weight if weighted and total is not None else None)
+
+    def _applied_elsewhere(self, mine: _Group, first_step: int) -> int | None:
+        """The step the other groups committed this window in, by its token in their record (a heal brought it)."""
+        return first_step if mine.token and mine.token in self._committed.get(first_step, ()) else None
+
+    # --- the record of committed windows, handed to a group that heals ------------------------------------------
+
+    def _remember(self, step: int, tokens: frozenset[int]) -> None:
+        self._committed[step] = tokens
+        for old in [s for s in self._committed if s <= step - _KEEP_STEPS]:
+            del self._committed[old]
+
+    def _record(self) -> dict[str, Any]:
+        return {"committed": {step: sorted(tokens) for step, tokens in self._committed.items()}}
+
+    def _load_record(self, record: dict[str, Any]) -> None:
+        self._healed = True
+        for step, tokens in record.get("committed", {}).items():
+            self._committed[int(step)] = frozenset(int(t) for t in tokens)
 
     def _keep(self, report: StepReport) -> StepReport:
         self.history.append(report)
@@ -313,7 +443,13 @@ class ReplicaGroups:
             t.grad = None
 
 
-def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = "") -> ReplicaGroups:
+def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each parameter's sum and sum of squares, in float64: a heal that replaces them with other values changes it."""
+    rows = [torch.stack([x.sum(), x.square().sum()]) for x in (sums.local(t.detach()).double() for t in tensors)]
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
+def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = "", retries: int = 1) -> ReplicaGroups:
     """Sum ``accumulator``'s windows across torchft's replica groups, each step divided by the counts that took part.
 
     Args:
@@ -321,18 +457,21 @@ def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = 
         accumulator: the group's :class:`~gradagg.torch.MicrobatchAccumulator`, over the group's own ranks
             (``group=`` the replica group's process group; plain or DDP inside it).
         group: a name for the reports (torchft's replica id).
+        retries: how many times a failed step's reduction is retried among the survivors, from the saved window
+            (a new quorum at the same step, then the all-reduce again); 0 is torchft's own behaviour: the step is
+            dropped and every group's window skipped.
 
     Returns:
         The :class:`ReplicaGroups`; run each microbatch in its ``microbatch(weight=..., key=...)``.
 
     Raises:
-        GradaggError: the accumulator has ``terms=``.
+        GradaggError: the accumulator has ``terms=``; ``retries`` is not an int >= 0; the manager already has one.
 
     Its loop needs torchft's lighthouse and processes, hence the skip (the tests run it)::
 
     >>> ft = exact(manager, MicrobatchAccumulator(model))  # doctest: +SKIP
     """
-    return ReplicaGroups(manager, accumulator, group)
+    return ReplicaGroups(manager, accumulator, group, retries)
 
 
 __all__ = ["Manager", "ReplicaGroups", "StepReport", "exact"]

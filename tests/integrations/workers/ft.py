@@ -25,9 +25,13 @@ IN_DIM, OUT_DIM = 4, 3
 
 @dataclass(frozen=True)
 class Plan:
-    """One scenario. ``fail``: (group, iteration): that group raises after one microbatch of that iteration's
-    window and leaves. ``join``: (group, k): that group starts once group 0 committed k steps, and heals.
-    ``measure``: each step also runs torchft's own averaging (group token means, ``manager.allreduce`` AVG)."""
+    """One scenario. ``fail``: (group, iteration): that group abandons that iteration's window after ``fail_after``
+    microbatches (all of them: it dies at its all-reduce) and leaves. ``join``: (group, k): that group starts once
+    group 0 committed k steps, and heals. ``late_error``: (group, iteration): that group reports an error to its
+    manager after its all-reduce completed (its data reached the others; its own commit fails). ``local_error``:
+    (group, iteration): that group reports an error before its all-reduce (it sends nothing; the others wait for
+    it until their timeout, ``timeouts`` by group). ``measure``: each step also runs torchft's own averaging (group
+    token means, ``manager.allreduce`` AVG). ``retries``: given to ``exact()``."""
 
     groups: int
     ranks: int = 1
@@ -35,9 +39,16 @@ class Plan:
     per_window: tuple[int, ...] = (1, 2, 3)  # microbatches per window, by group: uneven
     samples: tuple[int, ...] = (3, 6, 9)  # samples in each rank's queue, by group
     fail: tuple[int, int] | None = None
+    fail_after: int = 1
+    late_error: tuple[int, int] | None = None
+    local_error: tuple[int, int] | None = None
+    timeouts: tuple[float, ...] = ()
+    retries: int = 1
     join: tuple[int, int] | None = None
     measure: bool = False
     async_quorum: bool = True
+    init_sync: bool = False
+    lr: float = 0.1  # 0: a committed step leaves the parameters as they were
     min_replica_size: int = 1
     timeout_s: float = 10.0  # torchft's operation timeout: 4 s expired under CI's load (2 cores, 2 test workers)
 
@@ -89,16 +100,16 @@ def ft_world(lighthouse: str, ports: list[int], coord: int, plan: Plan) -> list[
     if joiner:
         store.wait([f"committed/{plan.join[1]}"])
     net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    timeout = datetime.timedelta(seconds=plan.timeout_s)
+    opt = torch.optim.SGD(net.parameters(), lr=plan.lr)
+    timeout = datetime.timedelta(seconds=plan.timeouts[g] if plan.timeouts else plan.timeout_s)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=plan.min_replica_size,
         load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
         store_port=ports[g], rank=r,
-        world_size=plan.ranks, lighthouse_addr=lighthouse, use_async_quorum=plan.async_quorum, init_sync=False,
+        world_size=plan.ranks, lighthouse_addr=lighthouse, use_async_quorum=plan.async_quorum, init_sync=plan.init_sync,
         timeout=timeout, quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
     )
-    ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}")
+    ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}", retries=plan.retries)
     _meet(store, "joiner" if joiner else "start", plan.ranks if joiner else _starters(plan))
     try:
         return _steps(plan, g, r, net, opt, manager, ft, store)
@@ -129,17 +140,26 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
         start = {n: p.detach().double().clone() for n, p in net.named_parameters()}
         window = [queue.popleft() for _ in range(min(plan.per_window[g], len(queue)))]
         torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
+        died = None
         for i, key in enumerate(ft.microbatches(window)):
-            if plan.fail == (g, it) and i == 1:
-                manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
-                report = ft.abandon("injected failure: this group died mid-window")
-                records.append(_record(report, start, net, None, it))
-                records.append({"unconsumed": window[i:] + list(queue), "lost": list(report.skipped)})
-                return records
+            if plan.fail == (g, it) and i == plan.fail_after:
+                died = i
+                break
             with ft.microbatch(weight=sample(key)[0].shape[0], key=key):
                 net.loss_sum(key).backward()
+        if plan.fail == (g, it) and (died is not None or plan.fail_after >= len(window)):
+            rest = window[died:] if died is not None else []
+            manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
+            report = ft.abandon("injected failure: this group died mid-window")
+            records.append(_record(report, start, net, None, it, -1))
+            records.append({"unconsumed": rest + list(queue), "lost": list(report.skipped)})
+            return records
+        if plan.local_error == (g, it):
+            manager.report_error(RuntimeError("injected: a local error before the all-reduce"))
+        if plan.late_error == (g, it):
+            _error_at_commit(manager)
         report = ft.finish()
-        records.append(_record(report, start, net, torchft_avg, it))
+        records.append(_record(report, start, net, torchft_avg, it, manager.current_step()))
         queue.extendleft(reversed(report.skipped))  # re-feed: the next window starts with them
         if report.committed:
             opt.step()
@@ -149,8 +169,24 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
                 store.wait(["joiner/all"])  # the joining group is about to ask for a quorum: give it this one
                 time.sleep(0.5)  # not a bound on anything: only more likely that the next quorum includes it
         opt.zero_grad()
-    records.append({"unconsumed": list(queue), "lost": []})
+    records.append({"unconsumed": list(queue), "lost": [], "final": (manager.current_step(), _params(net))})
     return records
+
+
+def _params(net: Net) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _error_at_commit(manager: Any) -> None:
+    """The next ``should_commit()`` first reports a local error: the all-reduce before it completed everywhere."""
+    commit = manager.should_commit
+
+    def once(*args: Any, **kwargs: Any) -> bool:
+        manager.should_commit = commit
+        manager.report_error(RuntimeError("injected: a local error after the all-reduce"))
+        return bool(commit(*args, **kwargs))
+
+    manager.should_commit = once
 
 
 def _torchft_average(net: Net, manager: Any, window: list[str]) -> dict[str, torch.Tensor]:
@@ -167,6 +203,10 @@ def _torchft_average(net: Net, manager: Any, window: list[str]) -> dict[str, tor
     return grads
 
 
-def _record(report: Any, start: dict[str, torch.Tensor], net: Net, torchft_avg: Any, it: int) -> dict[str, Any]:
+def _record(report: Any, start: dict[str, torch.Tensor], net: Net, torchft_avg: Any, it: int,
+            step_after: int) -> dict[str, Any]:
+    """What a test needs of one window: the report, the parameters the window started from, the gradients
+    ``finish()`` handed out, and torchft's step after it (-1 for a group that left)."""
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
-    return {"report": report, "start": start, "grads": grads, "torchft_avg": torchft_avg, "iteration": it}
+    return {"report": report, "start": start, "grads": grads, "torchft_avg": torchft_avg, "iteration": it,
+            "step_after": step_after}
