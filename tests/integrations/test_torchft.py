@@ -8,6 +8,7 @@ is applied in exactly one committed step, or reported skipped (and then re-fed o
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import datetime
 from typing import Any
 
@@ -253,6 +254,46 @@ def test_a_joining_group_heals(async_quorum: bool) -> None:
     else:
         assert first.participating and first.applied
     assert any(r.participating and r.committed for r in reports(every[1]))
+
+
+@pytest.mark.parametrize("async_quorum", [True, False])
+def test_the_crashed_group_rejoins_and_heals_to_the_right_step(async_quorum: bool) -> None:
+    """Group 1 dies at its all-reduce of step 1 (the survivors commit step 1 without it), then comes back as a new
+    process would: a fresh model (the initial parameters) and a fresh manager under the same replica id, once group
+    0 committed step 2. It heals to group 0's step and parameters, never counts its fresh model's gradient (under the
+    async quorum its first window sits the step out, skipped and re-fed), and then trains with the others: at the end
+    both hold the same step and the same parameters."""
+    plan = Plan(groups=2, steps=6, fail=(1, 1), fail_after=2, rejoin=3, per_window=(1, 2), samples=(8, 12),
+                async_quorum=async_quorum)
+    every = run(plan, min_replicas=1)
+    check_run(every, plan)
+    g1 = [rec for rec in every[1] if "report" in rec]
+    died = next(i for i, rec in enumerate(g1) if rec["step_after"] < 0)
+    back = g1[died + 1]["report"]
+    assert back.step >= plan.rejoin and back.committed, back.text()
+    assert back.participating != async_quorum and bool(back.skipped) == async_quorum
+    assert every[0][-1]["final"][0] == every[1][-1]["final"][0] == plan.steps  # check_run compared the parameters
+
+
+def test_groups_as_threads() -> None:
+    """The same loop with each group a thread of one process (as torchft's own tests run groups): group 1 dies at its
+    all-reduce of step 1 and the survivor commits that step alone, exact."""
+    plan = Plan(groups=2, steps=3, fail=(1, 1), fail_after=2)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(plan.groups)]
+    coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(plan.groups) as pool:
+            futures = [pool.submit(ft.ft_thread, lighthouse.address(), [s.port for s in stores], coord.port, plan, g)
+                       for g in range(plan.groups)]
+            every = [f.result(timeout=60) for f in futures]
+    finally:
+        lighthouse.shutdown()
+    applied = check_run(every, plan)
+    survivor = reports(every[0])
+    assert [(r.step, r.attempts, r.committed) for r in survivor] == [(0, 1, True), (1, 2, True), (2, 1, True)]
+    assert survivor[1].per_participant == (sum(ft.sample(k)[0].shape[0] for k in applied[1]),)
 
 
 def test_min_replica_size_is_honoured() -> None:

@@ -339,9 +339,10 @@ class ReplicaGroups:
         counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots, slot,
                              mine.token if send else 0)
         flats = self._flats = sums.flatten(tensors, mine.divisor, self._flats, zeros=not send)
-        works = [self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM) for t in [*flats.buffers.values(), counts]]
-        for work in works:
-            work.wait()
+        for t in [*flats.buffers.values(), counts]:
+            # one at a time: after a failure torchft makes the next all-reduce a no-op, where one already issued
+            # would wait out the whole timeout for a peer that is gone (the process group runs them in order anyway)
+            self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
             # of failed commits; it says False here

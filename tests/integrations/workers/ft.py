@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Plan:
     timeouts: tuple[float, ...] = ()
     retries: int = 1
     join: tuple[int, int] | None = None
+    rejoin: int | None = None  # the failed group comes back (a fresh process) once group 0 committed this many steps
     measure: bool = False
     async_quorum: bool = True
     init_sync: bool = False
@@ -80,41 +82,82 @@ class Net(torch.nn.Module):
         return ((out - y) ** 2).sum()
 
 
+_SEEDED = threading.Lock()
+
+
 def model(dtype: torch.dtype = torch.float32) -> Net:
-    torch.manual_seed(0)  # every group starts from the same parameters (torchft's init_sync=False)
-    return Net().to(dtype)
+    with _SEEDED:  # groups as threads share torch's generator
+        torch.manual_seed(0)  # every group starts from the same parameters (torchft's init_sync=False)
+        return Net().to(dtype)
 
 
 def ft_world(lighthouse: str, ports: list[int], coord: int, plan: Plan) -> list[dict[str, Any]]:
-    """One rank: build its group's manager and accumulator, run the steps; return one record per window."""
+    """One rank: build its group's manager and accumulator, run the steps; return one record per window, then one
+    with what is left (``unconsumed``, ``lost`` with a group that died, ``final``: step and parameters)."""
+    g, r = divmod(dist.get_rank(), plan.ranks)
+    inner = [dist.new_group(list(range(k * plan.ranks, (k + 1) * plan.ranks))) for k in range(plan.groups)][g]
+    return ft_rank(lighthouse, ports, coord, plan, g, r, inner)
+
+
+def ft_thread(lighthouse: str, ports: list[int], coord: int, plan: Plan, g: int) -> list[dict[str, Any]]:
+    """Group ``g`` as a thread of the test's own process (one rank a group: no torch.distributed world)."""
+    assert plan.ranks == 1
+    return ft_rank(lighthouse, ports, coord, plan, g, 0, None)
+
+
+def ft_rank(lighthouse: str, ports: list[int], coord: int, plan: Plan, g: int, r: int,
+            inner: Any) -> list[dict[str, Any]]:
+    """Rank ``r`` of group ``g`` (``inner``: the group's process group, None for one rank)."""
+    store = dist.TCPStore("127.0.0.1", coord, is_master=False, timeout=datetime.timedelta(seconds=60))
+    joiner = plan.join is not None and g == plan.join[0]
+    if joiner:
+        store.wait([f"committed/{plan.join[1]}"])
+    queue = collections.deque(keys_of(plan, g, r))
+    records: list[dict[str, Any]] = []
+    lost: list[str] = []
+    for life in range(1 + (plan.rejoin is not None and plan.fail is not None and g == plan.fail[0])):
+        if life:  # the crashed group comes back as a new process would: a fresh model and manager, same replica id
+            assert plan.rejoin is not None
+            store.wait([f"committed/{plan.rejoin}"])
+        net, opt, manager, ft, pg = _group(lighthouse, ports[g], plan, g, r, inner)
+        if life:
+            _meet(store, "rejoiner", plan.ranks)
+        else:
+            _meet(store, "joiner" if joiner else "start", plan.ranks if joiner else _starters(plan))
+        try:
+            gone = _steps(plan, g, r, net, opt, manager, ft, store, queue, records, life)
+            final = (manager.current_step(), _params(net))
+        finally:
+            manager.shutdown(wait=False)
+        if gone is None:
+            records.append({"unconsumed": list(queue), "lost": lost, "final": final})
+            return records
+        pg.abort()  # its connections close, as a process's do when it dies: the others' all-reduce fails at once
+        lost += gone
+    records.append({"unconsumed": list(queue), "lost": lost})
+    return records
+
+
+def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -> tuple[Net, Any, Any, Any, Any]:
+    """This rank's model, optimizer, torchft manager, gradagg's ReplicaGroups and torchft's process group."""
     from torchft import Manager, ProcessGroupGloo
 
     from gradagg.integrations.torchft import exact
     from gradagg.torch import MicrobatchAccumulator
 
-    rank = dist.get_rank()
-    g, r = divmod(rank, plan.ranks)
-    inner = [dist.new_group(list(range(k * plan.ranks, (k + 1) * plan.ranks))) for k in range(plan.groups)][g]
-    store = dist.TCPStore("127.0.0.1", coord, is_master=False, timeout=datetime.timedelta(seconds=60))
-    joiner = plan.join is not None and g == plan.join[0]
-    if joiner:
-        store.wait([f"committed/{plan.join[1]}"])
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=plan.lr)
     timeout = datetime.timedelta(seconds=plan.timeouts[g] if plan.timeouts else plan.timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), min_replica_size=plan.min_replica_size,
+        pg=pg, min_replica_size=plan.min_replica_size,
         load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
-        store_port=ports[g], rank=r,
-        world_size=plan.ranks, lighthouse_addr=lighthouse, use_async_quorum=plan.async_quorum, init_sync=plan.init_sync,
-        timeout=timeout, quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
+        store_port=port, rank=r, world_size=plan.ranks, lighthouse_addr=lighthouse,
+        use_async_quorum=plan.async_quorum, init_sync=plan.init_sync, timeout=timeout,
+        quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
     )
     ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}", retries=plan.retries)
-    _meet(store, "joiner" if joiner else "start", plan.ranks if joiner else _starters(plan))
-    try:
-        return _steps(plan, g, r, net, opt, manager, ft, store)
-    finally:
-        manager.shutdown(wait=False)
+    return net, opt, manager, ft, pg
 
 
 def _starters(plan: Plan) -> int:
@@ -129,10 +172,9 @@ def _meet(store: Any, name: str, n: int) -> None:
     store.wait([f"{name}/all"])
 
 
-def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, manager: Any, ft: Any,
-           store: Any) -> list[dict[str, Any]]:
-    queue = collections.deque(keys_of(plan, g, r))
-    records: list[dict[str, Any]] = []
+def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, manager: Any, ft: Any, store: Any,
+           queue: collections.deque[str], records: list[dict[str, Any]], life: int) -> list[str] | None:
+    """Run windows until torchft's step reaches ``plan.steps``; the keys lost when this group dies, else None."""
     for it in range(4 * plan.steps):  # a bound: each failure costs an iteration, never an endless loop
         if manager.current_step() >= plan.steps:
             break
@@ -147,13 +189,12 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
                 break
             with ft.microbatch(weight=sample(key)[0].shape[0], key=key):
                 net.loss_sum(key).backward()
-        if plan.fail == (g, it) and (died is not None or plan.fail_after >= len(window)):
-            rest = window[died:] if died is not None else []
+        if not life and plan.fail == (g, it) and (died is not None or plan.fail_after >= len(window)):
+            queue.extendleft(reversed(window[died:] if died is not None else []))  # never drawn
             manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
             report = ft.abandon("injected failure: this group died mid-window")
             records.append(_record(report, start, net, None, it, -1))
-            records.append({"unconsumed": rest + list(queue), "lost": list(report.skipped)})
-            return records
+            return list(report.skipped)
         if plan.local_error == (g, it):
             manager.report_error(RuntimeError("injected: a local error before the all-reduce"))
         if plan.late_error == (g, it):
@@ -168,9 +209,11 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
             if plan.join is not None and g == 0 and manager.current_step() == plan.join[1]:
                 store.wait(["joiner/all"])  # the joining group is about to ask for a quorum: give it this one
                 time.sleep(0.5)  # not a bound on anything: only more likely that the next quorum includes it
+            if plan.rejoin is not None and g == 0 and manager.current_step() == plan.rejoin:
+                store.wait(["rejoiner/all"])  # the joining group is about to ask for a quorum: give it this one
+                time.sleep(0.5)  # not a bound on anything: only more likely that the next quorum includes it
         opt.zero_grad()
-    records.append({"unconsumed": list(queue), "lost": [], "final": (manager.current_step(), _params(net))})
-    return records
+    return None
 
 
 def _params(net: Net) -> dict[str, torch.Tensor]:
