@@ -97,7 +97,7 @@ def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_no
 
 REFUSALS = {
     "window": "fsdp='window' is not built for FSDP1",
-    "terms": "terms= under FSDP1",
+    "terms": "terms= under FSDP1: FSDP1 cannot back-propagate twice through one forward",
     "no shard": "uses NO_SHARD",
     "hybrid beside full": "beside units of another kind (hybrid and not)",
     "plain head": "parameter '2.weight' is in no FSDP1 unit (2 such)",
@@ -112,6 +112,18 @@ def test_what_fsdp1_cannot_do_exactly_is_refused_on_every_rank_naming_what_works
     """At construction, one GradaggError on every rank, naming the setting and what works instead."""
     for said in run_local_world(fsdp1.refusal_world, 2, how, **WORLD):
         assert said.startswith("GradaggError: ") and REFUSALS[how] in said, said
+
+
+def test_terms_divided_ahead_are_exact_under_fsdp1_where_terms_counted_as_they_run_cannot_be() -> None:
+    """What the terms= refusal names instead: ``acc.divisors()`` (two terms, the valid tokens and the microbatches,
+    counted ahead; one backward of their sum) on uneven counts 3/5 with look-ahead and 0/4 with bare microbatch()
+    calls, FULL_SHARD nested with the original parameters and SHARD_GRAD_OP flat: the float64 full batch's
+    token mean + microbatch mean (1e-12: float64 sums in another order). And the refusal's reason, on this torch:
+    FSDP1 itself fails a second backward through one forward (it freed the gathered parameters after the first)."""
+    for rank in run_local_world(fsdp1.terms_world, 2, **WORLD):
+        for key, got in rank["windows"].items():
+            assert got["error"] <= EXACT and got["divisors"] == got["want"], (key, got)
+        assert "out of bounds for storage of size 0" in rank["second backward"], rank["second backward"]
 
 
 def test_a_plain_fsdp1_model_is_accepted() -> None:

@@ -163,6 +163,61 @@ def mixed_precision_world() -> dict[str, Any]:
     return out
 
 
+def terms_world() -> dict[str, Any]:
+    """Two loss terms divided ahead (``acc.divisors()``) under FSDP1, against the float64 full batch; and what FSDP1
+    does with a second backward through one forward (why ``terms=`` is refused)."""
+    rank, out = dist.get_rank(), {}
+    data = tw.token_batches(16)
+    for config in [("FULL_SHARD", True, "nested"), ("SHARD_GRAD_OP", False, "root")]:
+        model = wrap(*config)
+        acc = MicrobatchAccumulator(model)
+        start = 0
+        for counts, look in [([3, 5], True), ([0, 4], False)]:
+            window = data[start : start + sum(counts)]
+            start += sum(counts)
+            mine = tw.share(window, counts, rank)
+            div = acc.divisors({"tokens": sum(int(b[3].sum()) for b in mine), "microbatches": len(mine)})
+            for batch in acc.microbatches(mine) if look else mine:
+                with acc.microbatch():
+                    token, aux = _two_terms(model, batch)
+                    (token / div["tokens"] + aux / div["microbatches"]).backward()
+            acc.finish()
+            want = {"tokens": float(sum(int(b[3].sum()) for b in window)), "microbatches": float(len(window))}
+            out[(*config, str(counts))] = {"error": error(stepped_grads(model), _terms_truth(window)),
+                                           "divisors": div, "want": want}
+        acc.close()
+    return {"windows": out, "second backward": _second_backward(data[rank])}
+
+
+def _two_terms(model: nn.Module, batch: tw.TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """From one forward (a padding rank replays one): the squared error summed over the valid tokens, and a term
+    normalised per microbatch, the mean square output over every sample, valid or not."""
+    x, y, _, mask = batch
+    out = model(x)
+    return ((out - y)[mask] ** 2).sum(), out.pow(2).mean()
+
+
+def _terms_truth(batches: list[tw.TokenBatch]) -> Grads:
+    """One process, float64: the token mean of the first of :func:`_two_terms`, the microbatch mean of the second."""
+    model = _model()
+    tokens = sum(int(b[3].sum()) for b in batches)
+    terms = [_two_terms(model, b) for b in batches]
+    (sum(t for t, _ in terms) / tokens + sum(a for _, a in terms) / len(batches)).backward()  # type: ignore[union-attr]
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _second_backward(batch: tw.TokenBatch) -> str:
+    """FSDP1 alone (no accumulator): two backwards through one forward, as two loss terms would need."""
+    model = wrap("FULL_SHARD", True, "root")
+    out = model(batch[0])
+    out.sum().backward(retain_graph=True)
+    try:
+        out.pow(2).sum().backward()
+    except RuntimeError as exc:  # what FSDP1 raises: the second backward reads the freed unsharded parameters
+        return str(exc)
+    return "ran"
+
+
 def refusal_world(how: str) -> str:
     """What ``MicrobatchAccumulator`` says of an FSDP1 model built ``how``: the error's type and text."""
 
@@ -194,7 +249,16 @@ def refusal_world(how: str) -> str:
     return "accepted"
 
 
-__all__ = ["CONFIGS", "HYBRID_CONFIGS", "WINDOWS", "WINDOWS_4", "exact_world", "mixed_precision_world", "refusal_world"]
+__all__ = [
+    "CONFIGS",
+    "HYBRID_CONFIGS",
+    "WINDOWS",
+    "WINDOWS_4",
+    "exact_world",
+    "mixed_precision_world",
+    "refusal_world",
+    "terms_world",
+]
 
 
 def clip_world() -> dict[str, Any]:
