@@ -82,14 +82,17 @@ def test_after_close_fsdp1_averages_again(
     assert exact[0][(*config, "after close")] <= EXACT
 
 
-def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_not() -> None:
-    """MixedPrecision(param_dtype=bf16) on float32 parameters, reduced in float32 or in bf16, counts 3/5: within
-    2 eps(bf16) of the float64 full batch, relative to the largest entry (the forward and backward run in bf16,
-    each microbatch's weight gradient rounded once to bf16, <= eps/2 relative; the window's sum in float32).
-    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging each reduce; even counts, as it needs) is off by
-    far more: a mean of microbatch means, not the token mean."""
+@pytest.mark.parametrize("world", sorted(fsdp1.MIXED))
+def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_not(world: int) -> None:
+    """MixedPrecision(param_dtype=bf16) on float32 parameters, reduced in float32 or in bf16: FULL_SHARD on 2 ranks
+    (counts 3/5), HYBRID_SHARD on 2 replicas x 2 shards (counts 3/0/5/1: a rank with none pads by a zero loss, FSDP1
+    averaging over the 4 ranks, finish() dividing by D / 4). Within 2 eps(bf16) of the float64 full batch, relative
+    to the largest entry (the forward and backward run in bf16, each microbatch's weight gradient rounded once to
+    bf16, <= eps/2 relative; the window's sum in float32). FSDP1's own recipe (a mean loss per microbatch, FSDP1
+    averaging each reduce; even counts, as it needs) is off by far more: a mean of microbatch means, not the token
+    mean."""
     tol = 2 * torch.finfo(torch.bfloat16).eps
-    for rank in run_local_world(fsdp1.mixed_precision_world, 2, **WORLD):
+    for rank in run_local_world(fsdp1.mixed_precision_world, world, **WORLD):
         assert rank["torch.float32"] <= tol, rank
         assert rank["torch.bfloat16"] <= tol, rank
         assert rank["fsdp1 own"] > 10 * tol, rank

@@ -133,19 +133,25 @@ def _after_close(model: nn.Module, batches: list[tw.TokenBatch], rank: int) -> f
     return error(got, want)
 
 
+# by world size: the sharding strategy, the window's counts per rank, the global microbatches drawn (FSDP1's own
+# recipe runs the last 3 per rank, the same count on every rank, as it needs)
+MIXED = {2: ("FULL_SHARD", [3, 5], 10), 4: ("HYBRID_SHARD", [3, 0, 5, 1], 12)}  # 4 ranks: 2 replicas x 2 shards
+
+
 def mixed_precision_world() -> dict[str, Any]:
     """FSDP1's MixedPrecision (bf16 compute, float32 parameters; reduce in float32, or in bf16): gradagg against
-    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging every reduce), both against float64."""
+    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging every reduce), both against float64;
+    the strategy and counts of :data:`MIXED` for this world size."""
     from torch.distributed.fsdp import MixedPrecision
 
-    rank, out = dist.get_rank(), {}
-    data = tw.token_batches(10)
-    counts = [3, 5]
+    rank, world, out = dist.get_rank(), dist.get_world_size(), {}
+    strategy, counts, n = MIXED[world]
+    data = tw.token_batches(n)
     mine = tw.share(data, counts, rank)
-    want = truth(data[:8])
+    want = truth(data[: sum(counts)])
     for reduce in (torch.float32, torch.bfloat16):
         policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-        model = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32), mixed_precision=policy)
+        model = wrap(strategy, True, "nested", model=_model(torch.float32), mixed_precision=policy)
         acc = MicrobatchAccumulator(model)
         for batch in acc.microbatches(mine):
             with acc.microbatch(weight=int(batch[3].sum())):
@@ -154,12 +160,12 @@ def mixed_precision_world() -> dict[str, Any]:
         got = {n: g.double() for n, g in stepped_grads(model).items()}
         out[str(reduce)] = error(got, want)
         acc.close()
-    own = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32),
+    own = wrap(strategy, True, "nested", model=_model(torch.float32),
                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    same = tw.share(data[4:10], [3, 3], rank)  # FSDP1's own accumulation needs the same count on every rank
-    for x, y, _, mask in same:  # its recipe: a mean loss per microbatch over M, FSDP1 averaging over the ranks
-        (((own(x.float()).double() - y)[mask] ** 2).mean() / 3).backward()
-    out["fsdp1 own"] = error({n: g.double() for n, g in stepped_grads(own).items()}, truth(data[4:10]))
+    last = data[-3 * world :]
+    for x, y, _, mask in tw.share(last, [3] * world, rank):  # its recipe: a mean loss per microbatch over M,
+        (((own(x.float()).double() - y)[mask] ** 2).mean() / 3).backward()  # FSDP1 averaging over the ranks
+    out["fsdp1 own"] = error({k: g.double() for k, g in stepped_grads(own).items()}, truth(last))
     return out
 
 
@@ -252,6 +258,7 @@ def refusal_world(how: str) -> str:
 __all__ = [
     "CONFIGS",
     "HYBRID_CONFIGS",
+    "MIXED",
     "WINDOWS",
     "WINDOWS_4",
     "exact_world",
