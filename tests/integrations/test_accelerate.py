@@ -153,3 +153,32 @@ def test_accelerates_bf16_switch_is_exact_within_the_round_off(world_bf16: dict[
     assert len(ours) == 4 and max(ours) < BF16_TOLERANCE, ours
     assert min(ours) > 1e-5, ours  # bf16's round-off is there: the switch acted (float32 stays below 1e-6)
     assert min(native) > 0.3, native
+
+
+FSDP1_CASES = [("exact", True, None), ("exact", False, CLIP), ("native", True, None)]
+
+
+@pytest.fixture(scope="module")
+def world_fsdp1() -> dict[str, Any]:
+    from tests.integrations.workers import accel_fsdp1
+
+    return run_local_world(accel_fsdp1.accelerate_fsdp1_world, 2, FSDP1_CASES, timeout_s=240.0,
+                           collective_timeout_s=30.0, preload=["torch._dynamo"])[0]
+
+
+def test_accelerates_fsdp1_path_is_the_full_batch_token_mean(world_fsdp1: dict[str, Any]) -> None:
+    """Accelerate's FSDP1 plugin (fsdp_version=1, its transformer auto-wrap policy), its state set as on a GPU (see
+    the worker): Accelerate's prepare builds FSDP1 (the root and one unit per decoder layer), its accumulate()
+    enters FSDP1's no_sync() between syncs, its clip_grad_norm_ is FSDP1's. With exact(), use_orig_params True and
+    False, clipped and not: every step the full-batch token mean (float32, as the DDP cases: below 1e-5);
+    Accelerate's own recipe on the same FSDP1 model is off by its weighting (a mean of microbatch means)."""
+    for loop, orig, clip in FSDP1_CASES:
+        case = world_fsdp1[f"{loop}/{orig}/{clip}"]
+        assert (case["model"], case["units"]) == ("FullyShardedDataParallel", 3), case
+        assert case["distributed_type"].endswith("FSDP") and case["sequences"] == [12, 8, 12, 8], case
+        if loop == "exact":
+            assert max(case["errors"]) < TOLERANCE, case
+        else:
+            assert min(case["errors"]) > 0.3, case
+    clipped = world_fsdp1[f"exact/False/{CLIP}"]
+    assert min(clipped["true_norms"]) < CLIP < max(clipped["true_norms"])

@@ -39,6 +39,10 @@ inside the backward of its sync microbatch, which closes the window there; DeepS
 (Accelerate's default ``even_batches``). bf16 (``mixed_precision="bf16"``) is exact within bf16's round-off; fp16,
 ZeRO stage 0 and Megatron-LM are refused.
 
+Under its FSDP plugin with ``fsdp_version=1`` ``model`` is the FSDP1 module ``prepare`` built: the same loop is exact
+(:mod:`gradagg.torch.accumulate.wrappers.fsdp1`; ``accelerator.clip_grad_norm_`` is then FSDP1's own clip, on the
+finished gradient).
+
 Accelerate is imported by the caller; this module imports it only for type names, lazily.
 """
 
@@ -107,8 +111,10 @@ def exact(accelerator: Any, model: torch.nn.Module, optimizer: Any,
     Args:
         accelerator: an ``accelerate.Accelerator``.
         model: the model ``accelerator.prepare`` returned (a ``DistributedDataParallel`` module under several
-            processes; the ``DeepSpeedEngine`` under its DeepSpeed plugin; FSDP2-sharded under its FSDP2 plugin,
-            untested here: on a CPU machine Accelerate gives DDP instead).
+            processes; the ``DeepSpeedEngine`` under its DeepSpeed plugin; the FSDP1 module under its FSDP plugin
+            with ``fsdp_version=1``, its ``accumulate()`` entering FSDP1's ``no_sync()`` between syncs (tested with
+            Accelerate's state set as on a GPU: on a CPU machine Accelerate gives DDP instead); FSDP2-sharded under
+            ``fsdp_version=2``, untested).
         optimizer: the ``AcceleratedOptimizer`` that ``accelerator.prepare`` returned, or a list of them over
             disjoint parameters (Muon beside AdamW, a GAN's two): each is attached; the window's first step (or
             clip) finds it finished, and the others step on the same gradients.

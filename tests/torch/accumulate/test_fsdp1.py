@@ -82,14 +82,17 @@ def test_after_close_fsdp1_averages_again(
     assert exact[0][(*config, "after close")] <= EXACT
 
 
-def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_not() -> None:
-    """MixedPrecision(param_dtype=bf16) on float32 parameters, reduced in float32 or in bf16, counts 3/5: within
-    2 eps(bf16) of the float64 full batch, relative to the largest entry (the forward and backward run in bf16,
-    each microbatch's weight gradient rounded once to bf16, <= eps/2 relative; the window's sum in float32).
-    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging each reduce; even counts, as it needs) is off by
-    far more: a mean of microbatch means, not the token mean."""
+@pytest.mark.parametrize("world", sorted(fsdp1.MIXED))
+def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_not(world: int) -> None:
+    """MixedPrecision(param_dtype=bf16) on float32 parameters, reduced in float32 or in bf16: FULL_SHARD on 2 ranks
+    (counts 3/5), HYBRID_SHARD on 2 replicas x 2 shards (counts 3/0/5/1: a rank with none pads by a zero loss, FSDP1
+    averaging over the 4 ranks, finish() dividing by D / 4). Within 2 eps(bf16) of the float64 full batch, relative
+    to the largest entry (the forward and backward run in bf16, each microbatch's weight gradient rounded once to
+    bf16, <= eps/2 relative; the window's sum in float32). FSDP1's own recipe (a mean loss per microbatch, FSDP1
+    averaging each reduce; even counts, as it needs) is off by far more: a mean of microbatch means, not the token
+    mean."""
     tol = 2 * torch.finfo(torch.bfloat16).eps
-    for rank in run_local_world(fsdp1.mixed_precision_world, 2, **WORLD):
+    for rank in run_local_world(fsdp1.mixed_precision_world, world, **WORLD):
         assert rank["torch.float32"] <= tol, rank
         assert rank["torch.bfloat16"] <= tol, rank
         assert rank["fsdp1 own"] > 10 * tol, rank
@@ -97,7 +100,7 @@ def test_fsdp1_mixed_precision_is_within_bf16_round_off_and_its_own_recipe_is_no
 
 REFUSALS = {
     "window": "fsdp='window' is not built for FSDP1",
-    "terms": "terms= under FSDP1",
+    "terms": "terms= under FSDP1: FSDP1 cannot back-propagate twice through one forward",
     "no shard": "uses NO_SHARD",
     "hybrid beside full": "beside units of another kind (hybrid and not)",
     "plain head": "parameter '2.weight' is in no FSDP1 unit (2 such)",
@@ -112,6 +115,18 @@ def test_what_fsdp1_cannot_do_exactly_is_refused_on_every_rank_naming_what_works
     """At construction, one GradaggError on every rank, naming the setting and what works instead."""
     for said in run_local_world(fsdp1.refusal_world, 2, how, **WORLD):
         assert said.startswith("GradaggError: ") and REFUSALS[how] in said, said
+
+
+def test_terms_divided_ahead_are_exact_under_fsdp1_where_terms_counted_as_they_run_cannot_be() -> None:
+    """What the terms= refusal names instead: ``acc.divisors()`` (two terms, the valid tokens and the microbatches,
+    counted ahead; one backward of their sum) on uneven counts 3/5 with look-ahead and 0/4 with bare microbatch()
+    calls, FULL_SHARD nested with the original parameters and SHARD_GRAD_OP flat: the float64 full batch's
+    token mean + microbatch mean (1e-12: float64 sums in another order). And the refusal's reason, on this torch:
+    FSDP1 itself fails a second backward through one forward (it freed the gathered parameters after the first)."""
+    for rank in run_local_world(fsdp1.terms_world, 2, **WORLD):
+        for key, got in rank["windows"].items():
+            assert got["error"] <= EXACT and got["divisors"] == got["want"], (key, got)
+        assert "out of bounds for storage of size 0" in rank["second backward"], rank["second backward"]
 
 
 def test_a_plain_fsdp1_model_is_accepted() -> None:

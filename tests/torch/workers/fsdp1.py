@@ -133,19 +133,25 @@ def _after_close(model: nn.Module, batches: list[tw.TokenBatch], rank: int) -> f
     return error(got, want)
 
 
+# by world size: the sharding strategy, the window's counts per rank, the global microbatches drawn (FSDP1's own
+# recipe runs the last 3 per rank, the same count on every rank, as it needs)
+MIXED = {2: ("FULL_SHARD", [3, 5], 10), 4: ("HYBRID_SHARD", [3, 0, 5, 1], 12)}  # 4 ranks: 2 replicas x 2 shards
+
+
 def mixed_precision_world() -> dict[str, Any]:
     """FSDP1's MixedPrecision (bf16 compute, float32 parameters; reduce in float32, or in bf16): gradagg against
-    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging every reduce), both against float64."""
+    FSDP1's own recipe (a mean loss per microbatch, FSDP1 averaging every reduce), both against float64;
+    the strategy and counts of :data:`MIXED` for this world size."""
     from torch.distributed.fsdp import MixedPrecision
 
-    rank, out = dist.get_rank(), {}
-    data = tw.token_batches(10)
-    counts = [3, 5]
+    rank, world, out = dist.get_rank(), dist.get_world_size(), {}
+    strategy, counts, n = MIXED[world]
+    data = tw.token_batches(n)
     mine = tw.share(data, counts, rank)
-    want = truth(data[:8])
+    want = truth(data[: sum(counts)])
     for reduce in (torch.float32, torch.bfloat16):
         policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-        model = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32), mixed_precision=policy)
+        model = wrap(strategy, True, "nested", model=_model(torch.float32), mixed_precision=policy)
         acc = MicrobatchAccumulator(model)
         for batch in acc.microbatches(mine):
             with acc.microbatch(weight=int(batch[3].sum())):
@@ -154,13 +160,68 @@ def mixed_precision_world() -> dict[str, Any]:
         got = {n: g.double() for n, g in stepped_grads(model).items()}
         out[str(reduce)] = error(got, want)
         acc.close()
-    own = wrap("FULL_SHARD", True, "nested", model=_model(torch.float32),
+    own = wrap(strategy, True, "nested", model=_model(torch.float32),
                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    same = tw.share(data[4:10], [3, 3], rank)  # FSDP1's own accumulation needs the same count on every rank
-    for x, y, _, mask in same:  # its recipe: a mean loss per microbatch over M, FSDP1 averaging over the ranks
-        (((own(x.float()).double() - y)[mask] ** 2).mean() / 3).backward()
-    out["fsdp1 own"] = error({n: g.double() for n, g in stepped_grads(own).items()}, truth(data[4:10]))
+    last = data[-3 * world :]
+    for x, y, _, mask in tw.share(last, [3] * world, rank):  # its recipe: a mean loss per microbatch over M,
+        (((own(x.float()).double() - y)[mask] ** 2).mean() / 3).backward()  # FSDP1 averaging over the ranks
+    out["fsdp1 own"] = error({k: g.double() for k, g in stepped_grads(own).items()}, truth(last))
     return out
+
+
+def terms_world() -> dict[str, Any]:
+    """Two loss terms divided ahead (``acc.divisors()``) under FSDP1, against the float64 full batch; and what FSDP1
+    does with a second backward through one forward (why ``terms=`` is refused)."""
+    rank, out = dist.get_rank(), {}
+    data = tw.token_batches(16)
+    for config in [("FULL_SHARD", True, "nested"), ("SHARD_GRAD_OP", False, "root")]:
+        model = wrap(*config)
+        acc = MicrobatchAccumulator(model)
+        start = 0
+        for counts, look in [([3, 5], True), ([0, 4], False)]:
+            window = data[start : start + sum(counts)]
+            start += sum(counts)
+            mine = tw.share(window, counts, rank)
+            div = acc.divisors({"tokens": sum(int(b[3].sum()) for b in mine), "microbatches": len(mine)})
+            for batch in acc.microbatches(mine) if look else mine:
+                with acc.microbatch():
+                    token, aux = _two_terms(model, batch)
+                    (token / div["tokens"] + aux / div["microbatches"]).backward()
+            acc.finish()
+            want = {"tokens": float(sum(int(b[3].sum()) for b in window)), "microbatches": float(len(window))}
+            out[(*config, str(counts))] = {"error": error(stepped_grads(model), _terms_truth(window)),
+                                           "divisors": div, "want": want}
+        acc.close()
+    return {"windows": out, "second backward": _second_backward(data[rank])}
+
+
+def _two_terms(model: nn.Module, batch: tw.TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """From one forward (a padding rank replays one): the squared error summed over the valid tokens, and a term
+    normalised per microbatch, the mean square output over every sample, valid or not."""
+    x, y, _, mask = batch
+    out = model(x)
+    return ((out - y)[mask] ** 2).sum(), out.pow(2).mean()
+
+
+def _terms_truth(batches: list[tw.TokenBatch]) -> Grads:
+    """One process, float64: the token mean of the first of :func:`_two_terms`, the microbatch mean of the second."""
+    model = _model()
+    tokens = sum(int(b[3].sum()) for b in batches)
+    terms = [_two_terms(model, b) for b in batches]
+    (sum(t for t, _ in terms) / tokens + sum(a for _, a in terms) / len(batches)).backward()  # type: ignore[union-attr]
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _second_backward(batch: tw.TokenBatch) -> str:
+    """FSDP1 alone (no accumulator): two backwards through one forward, as two loss terms would need."""
+    model = wrap("FULL_SHARD", True, "root")
+    out = model(batch[0])
+    out.sum().backward(retain_graph=True)
+    try:
+        out.pow(2).sum().backward()
+    except RuntimeError as exc:  # what FSDP1 raises: the second backward reads the freed unsharded parameters
+        return str(exc)
+    return "ran"
 
 
 def refusal_world(how: str) -> str:
@@ -194,7 +255,17 @@ def refusal_world(how: str) -> str:
     return "accepted"
 
 
-__all__ = ["CONFIGS", "HYBRID_CONFIGS", "WINDOWS", "WINDOWS_4", "exact_world", "mixed_precision_world", "refusal_world"]
+__all__ = [
+    "CONFIGS",
+    "HYBRID_CONFIGS",
+    "MIXED",
+    "WINDOWS",
+    "WINDOWS_4",
+    "exact_world",
+    "mixed_precision_world",
+    "refusal_world",
+    "terms_world",
+]
 
 
 def clip_world() -> dict[str, Any]:

@@ -89,7 +89,7 @@ class MicrobatchAccumulator:
             outside ``fully_shard``; ``DDP(static_graph=True)``; a parameter on the meta device; a parameter
             another live accumulator holds (naming both: ``close()`` or drop the first; see :mod:`.lifetime`); bare
             tensors that cannot be told apart across ranks (every rank); ``terms`` that are not distinct names, or
-            with FSDP2's shards form or DDP's ``parameters_to_ignore`` (see :mod:`.terms_after`).
+            with FSDP2's shards form, FSDP1 or DDP's ``parameters_to_ignore`` (see :mod:`.terms_after`).
         CollectiveError: the ranks' parameter lists, or their ``terms``, differ (compared with one small
             ``all_gather_object`` at construction, which every rank of the group runs: build accumulators in the
             same order on every rank).

@@ -23,7 +23,8 @@ Refused, on every rank at ``finish()`` (the window poisoned): a backward in a mi
 a microbatch; a count on any rank that is negative, NaN or infinite; a term counted 0 on all ranks while its
 gradient is non-zero on some rank (a forgotten ``acc.count``). A term counted 0 whose gradient is zero or absent
 everywhere contributes nothing (the ledger gives it 0). Refused at construction: FSDP2's shards form (use
-``fsdp="window"``) and DDP's ``parameters_to_ignore``; at once: ``divisors()``.
+``fsdp="window"``), FSDP1 (it cannot back-propagate twice through one forward: :mod:`.wrappers.fsdp1`) and DDP's
+``parameters_to_ignore``; at once: ``divisors()``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def check_names(terms: Iterable[str] | None, state: State) -> tuple[str, ...]:
 
     Raises:
         GradaggError: a name that is not a non-empty string, a name given twice, no name; FSDP2's shards form;
-            DDP's ``parameters_to_ignore``.
+            FSDP1; DDP's ``parameters_to_ignore``.
     """
     if terms is None:
         return ()

@@ -25,7 +25,13 @@ is reduced in ``reduce_dtype``, the window's sum kept in float32). Refused when 
 rank, naming what works: hybrid units beside others, ``NO_SHARD`` (FSDP1 reduces the whole accumulated ``.grad``
 again at every backward: use DDP), ``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads``
 (the window's sum would be kept in that dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own,
-``terms=``.
+``terms=`` (see below).
+
+Why no ``terms=``: it runs one backward per loss term, often through one forward, and FSDP1 frees the gathered
+parameters after a backward, so a second backward through the same forward fails inside FSDP1 (with or without
+gradagg; a test pins it). Terms from separate forwards would each be a reduce-scatter of their own, which every rank
+would have to run in the same order in every round, a padding rank one per term. Terms divided ahead
+(``acc.divisors()``: one backward of their sum) are exact here.
 
 Participation: FSDP1 reduces whole flat parameters (zeros for a parameter a microbatch did not use), so which
 parameter a microbatch reached cannot be observed; the ledger counts every parameter in each microbatch that ran
@@ -264,8 +270,10 @@ class Fsdp1Shards(Rounds, Plain):
         self._hooks = []
 
     def refuses_terms(self) -> str | None:
-        return ("terms= under FSDP1: FSDP1 reduces each backward into one gradient per parameter, so the terms' sums "
-                "cannot be kept apart; use FSDP2's fully_shard with fsdp='window'")
+        return ("terms= under FSDP1: FSDP1 cannot back-propagate twice through one forward (it frees the gathered "
+                "parameters after the first backward), and terms= runs one backward per term; count the terms ahead "
+                "with acc.divisors({...}) and back-propagate their sum once, or, for a count known only after the "
+                "backward, use FSDP2's fully_shard with fsdp='window'")
 
 
 __all__ = ["Fsdp1Shards", "refusal"]
