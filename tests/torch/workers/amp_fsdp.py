@@ -47,8 +47,9 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.full_tensor().double() for n, p in model.named_parameters()}
 
 
-def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str]]) -> list[list[dict[str, Any]]]:
-    """Each case ``(precision, scaled, scaler_kind, overflow)`` of :func:`amp_fsdp_case` in turn, a model each; a
+def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str, bool]]) -> list[list[dict[str, Any]]]:
+    """Each case ``(precision, scaled, scaler_kind, overflow, attached)`` of :func:`amp_fsdp_case` in turn, a model
+    each; a
     case that raised gives ``[{"raised": its message}]`` (the test names it) and ends the world's cases."""
     out: list[list[dict[str, Any]]] = []
     for case in cases:
@@ -59,21 +60,24 @@ def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str]]) -> list[l
     return out
 
 
-def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "torch",
-                  overflow: str = "whole") -> list[dict[str, Any]]:
+def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "torch", overflow: str = "whole",
+                  attached: bool = False) -> list[dict[str, Any]]:
     """Per window, as :func:`amp.amp_world`: the unscaled gradient's error against the float64 truth, whether the
     step ran on this rank, its scale, the usual recipe's error; and whether this rank's shard was finite.
 
     ``scaler_kind``: ``"torch"`` (``torch.amp.GradScaler``) or ``"sharded"`` (FSDP's ``ShardedGradScaler``, which
     all-reduces what it found over the ranks). ``overflow``: ``"whole"`` (rank 1's loss blown up in window 2: every
     element non-finite) or ``"shard"`` (rank 1's backward in window 2 non-finite in the first layer's first 8 hidden
-    units only: after the reduce-scatter, in rank 0's shard alone)."""
+    units only: after the reduce-scatter, in rank 0's shard alone). ``attached``: ``acc.attach(opt)`` and no
+    ``finish()`` call: ``scaler.unscale_`` finishes the window first."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     rank = dist.get_rank()
     model = _sharded(mode)
     acc = MicrobatchAccumulator(model, fsdp=mode)  # type: ignore[arg-type]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if attached:
+        acc.attach(opt)
     kind = ShardedGradScaler if scaler_kind == "sharded" else torch.amp.GradScaler
     scaler = kind("cpu", init_scale=2.0**12) if scaled else None
     out = []
@@ -89,7 +93,8 @@ def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "t
                 if blow and overflow == "whole":
                     loss = loss * 1e30  # past fp16's range once the backward runs in fp16: a real overflow
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-        acc.finish()
+        if not attached:
+            acc.finish()
         if scaler is not None:
             scaler.unscale_(opt)
         mine_finite = all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters() if p.grad is not None)
