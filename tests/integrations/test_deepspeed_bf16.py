@@ -4,8 +4,9 @@ One world per size runs every case (:mod:`tests.integrations.workers.deepspeed_b
 per rank (a rank with none, the short last window; ZeRO-3 padded with weight-0 microbatches), clipped and not; a
 non-finite microbatch on one rank; and, on 2 ranks, gradagg beside DeepSpeed's own recipe in the same
 configuration (even counts with uneven tokens; one window of 32 microbatches per rank, each the same full
-sequence, where DeepSpeed's weighting is the token mean and only its bf16 accumulation differs), and the bf16
-engines exact() refuses.
+sequence, where DeepSpeed's weighting is the token mean and only its bf16 accumulation differs), the bf16
+engines exact() refuses, Accelerate's DeepSpeed plugin in bf16, and the Hugging Face Trainer with ``bf16=True`` and
+``deepspeed=`` beside the Trainer's own recipe.
 
 What "exact" means in bf16, and the bounds used here. The parameters are bf16, so each microbatch's forward and
 backward round in bf16: that cost is the same for every recipe and is measured, not bounded, as ``floor`` (each
@@ -15,11 +16,14 @@ What the accumulation adds is bounded per element, from the dtypes (see ``units`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -r requirements-dev.txt)")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -r requirements-dev.txt)")
+pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install -r requirements-dev.txt)")
 
 from gradagg.testing import run_local_world  # noqa: E402
 from tests.integrations.workers import deepspeed_bf16 as bf  # noqa: E402
@@ -35,6 +39,17 @@ def exact_cases(world: int) -> list[tuple[str, int, float]]:
 
 
 BESIDE = [(loop, s, 0.0) for s in STAGES for loop in ("even", "native", "many", "many_native")]
+# the Hugging Face Trainer with bf16=True and deepspeed= (tests.integrations.workers.deepspeed_hf), clipped between
+# its two windows' true norms (0.455 and 0.696, asserted): exact(trainer), its own defaults, and (under ZeRO-2: its
+# weighting is the same at every stage) its own with average_tokens_across_devices=False
+TRAINER_CLIP = 0.6
+TRAINER = {"exact": {"exact": True, "clip": TRAINER_CLIP}, "defaults": {"clip": TRAINER_CLIP},
+           "avg_tokens": {"avg_tokens": False, "clip": TRAINER_CLIP}}
+TRAINER_STAGES = {s: [n for n in TRAINER if n != "avg_tokens" or s == 2] for s in STAGES}
+# The Trainer's bf16 Llama, against the float64 truth of the same forward (at its bf16 parameters), max |g - t| /
+# max |t|: the floor (each microbatch's bf16 forward and backward, a few u(bf16) = 2**-8 deep in a two-layer model,
+# measured 0.005-0.009) plus what the accumulation adds (see units_bound), as the Trainer's autocast bf16 bound.
+TRAINER_BOUND = 2e-2
 
 
 def units_bound(world: int) -> float:
@@ -54,7 +69,8 @@ def units_bound(world: int) -> float:
 def worlds() -> dict[int, list[dict[str, Any]]]:
     options: dict[str, Any] = {"timeout_s": 300.0, "collective_timeout_s": 60.0, "env": {"DS_ACCELERATOR": "cpu"},
                                "preload": ["torch._dynamo"]}
-    return {2: run_local_world(bf.bf16_world, 2, exact_cases(2) + BESIDE, STAGES, **options),
+    trainer = {s: [TRAINER[n] for n in names] for s, names in TRAINER_STAGES.items()}
+    return {2: run_local_world(bf.bf16_world, 2, exact_cases(2) + BESIDE, STAGES, trainer, **options),
             3: run_local_world(bf.bf16_world, 3, exact_cases(3), **options)}
 
 
@@ -123,6 +139,46 @@ def test_accelerates_deepspeed_plugin_in_bf16(worlds: dict[int, list[dict[str, A
         case = r[f"accelerate/{stage}"]
         assert case["dtype"] == "torch.bfloat16" and case["global_steps"] == 4, case
         assert max(e["units"] for e in case["errors"]) <= units_bound(2), case["errors"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_trainer_with_deepspeed_bf16_is_the_token_mean_within_bf16_round_off(
+        worlds: dict[int, list[dict[str, Any]]], stage: int) -> None:
+    """TrainingArguments(bf16=True, deepspeed=ZeRO config with "bf16": "auto") under exact(trainer): a bf16 engine,
+    one step per window (3 microbatches of uneven tokens per rank, then the short 2), each window within
+    TRAINER_BOUND of the float64 truth at the bf16 parameters, and what the accumulation added against each
+    microbatch's bf16 gradient summed exactly within :func:`units_bound` units of u(bf16) of the largest entry;
+    the logged loss and grad_norm are the window's. The Trainer's own in the same configuration: with
+    average_tokens_across_devices=False off by its weighting (ZeRO-2); with its defaults (the token mean's weighting,
+    DeepSpeed's bf16 sum of the window) adding more than gradagg on the first window (both start from the same
+    parameters)."""
+    runs = dict(zip(TRAINER_STAGES[stage], worlds[2][0][f"trainer/{stage}"], strict=True))
+    ours, own = runs["exact"], runs["defaults"]
+    print(f"ZeRO-{stage} bf16 under the Trainer, max relative errors per window: gradagg {_rounded(ours, 'error')} "
+          f"(added {_rounded(ours, 'added')}, floor {_rounded(ours, 'floor')}); the Trainer's own defaults "
+          f"{_rounded(own, 'error')} (added {_rounded(own, 'added')}), average_tokens_across_devices=False "
+          f"{_rounded(runs.get('avg_tokens', {'windows': []}), 'error')}")
+    for run in runs.values():
+        assert run["dtype"] == "torch.bfloat16" and run["stage"] == stage, run
+        assert run["steps"] == 2 and run["engine_steps"] == 2, run
+        assert [w["sequences"] for w in run["windows"]] == [12, 8], run["windows"]
+    windows = ours["windows"]
+    assert min(w["norm"] for w in windows) < TRAINER_CLIP < max(w["norm"] for w in windows), windows  # one clipped
+    for w in windows:
+        assert w["error"] < TRAINER_BOUND and w["added"] <= units_bound(2) * bf.BF16_U, w
+        assert w["floor"] > 1e-3, w  # bf16's round-off is there: the forward ran in bf16 (float32's stays < 1e-5)
+    for log, w in zip(ours["logs"], windows, strict=True):
+        # the loss: a float32 sum of bf16 forwards' token losses (measured 2e-6 off); the norm: DeepSpeed's, of the
+        # bf16 gradient it clipped (measured 2e-4 off)
+        assert math.isclose(log["loss"], w["loss"], rel_tol=1e-3), (log, w)
+        assert math.isclose(log["grad_norm"], w["norm"], rel_tol=TRAINER_BOUND), (log, w)
+    if "avg_tokens" in runs:
+        assert min(w["error"] for w in runs["avg_tokens"]["windows"]) > 0.05, runs["avg_tokens"]["windows"]
+    assert windows[0]["added"] < own["windows"][0]["added"], (windows[0], own["windows"][0])
+
+
+def _rounded(run: dict[str, Any], key: str) -> list[float]:
+    return [round(w[key], 4) for w in run["windows"]]
 
 
 @pytest.mark.parametrize(("name", "fragment"), [

@@ -96,27 +96,47 @@ def test_accelerate_still_refuses_megatron() -> None:
 
 
 class _Config:
-    def __init__(self, enabled: set[str]) -> None:
-        self.enabled = enabled
+    """The Trainer's DeepSpeed config as Accelerate's ``HfDeepSpeedConfig`` reads it: dotted keys to values."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    def get_value(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
 
     def is_true(self, key: str) -> bool:
-        return key in self.enabled
+        return bool(self.values.get(key, False))
+
+    def is_false(self, key: str) -> bool:
+        return key in self.values and not self.values[key]
+
+
+BF16 = {"bf16.enabled": True}
 
 
 @pytest.mark.parametrize(
-    ("stage", "enabled", "args", "fragments"),
-    [(0, set(), {}, ["DeepSpeed ZeRO stage 0 (gradagg needs ZeRO stage 1, 2 or 3"]),
-     (2, {"bf16.enabled"}, {}, ["DeepSpeed with bf16"]),
-     (3, set(), {"fp16": True}, ["DeepSpeed with fp16"]),
-     (0, {"fp16.enabled"}, {}, ["ZeRO stage 0", "DeepSpeed with fp16"]),
-     (1, set(), {}, [])],
+    ("stage", "values", "args", "fragments"),
+    [(0, {}, {}, ["DeepSpeed ZeRO stage 0 (gradagg needs ZeRO stage 1, 2 or 3"]),
+     (2, BF16, {}, []),
+     (3, {}, {"bf16": True}, []),
+     (1, {**BF16, "data_types.grad_accum_dtype": "fp32"}, {},
+      ["DeepSpeed bf16 with data_types.grad_accum_dtype 'fp32' (leave it unset"]),
+     (2, {**BF16, "data_types.grad_accum_dtype": "bf16"}, {}, []),
+     (2, {**BF16, "bf16.check_grad_overflow": False}, {},
+      ["DeepSpeed bf16 with bf16.check_grad_overflow false (leave it true"]),
+     (3, {}, {"fp16": True}, ["DeepSpeed with fp16"]),
+     (0, {"fp16.enabled": True}, {}, ["ZeRO stage 0", "DeepSpeed with fp16"]),
+     (1, {}, {}, [])],
 )
 def test_the_trainer_refuses_what_deepspeeds_accumulator_cannot_make_exact(
-        stage: int, enabled: set[str], args: dict[str, bool], fragments: list[str]) -> None:
+        stage: int, values: dict[str, Any], args: dict[str, bool], fragments: list[str]) -> None:
+    """Read from the Trainer's DeepSpeed config at exact(), before any engine exists: what exact(engine) would
+    refuse at the first step (ZeRO stage 0, fp16, bf16 without DeepSpeed's bf16 ZeRO optimizer or its overflow
+    check); float32 and bf16 as DeepSpeed defaults them pass."""
     pytest.importorskip("transformers", reason="transformers is not installed")
     from gradagg.integrations.transformers import _deepspeed_problems
 
-    plugin = SimpleNamespace(zero_stage=stage, hf_ds_config=_Config(enabled))
+    plugin = SimpleNamespace(zero_stage=stage, hf_ds_config=_Config(values))
     trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
                               args=SimpleNamespace(**{"fp16": False, "bf16": False, **args}))
     problems = _deepspeed_problems(trainer)

@@ -51,7 +51,12 @@ at the first step. The window is the Trainer's (``gradient_accumulation_steps``,
 DeepSpeed's config: left there, since the engine steps only where Accelerate's backward of the window's last
 microbatch calls ``engine.step()``, which finishes the window first); the backward never divides by those steps.
 DeepSpeed clips the exact gradient (``max_grad_norm`` is its ``gradient_clipping``) and the logged ``grad_norm`` is
-the norm it measured. ZeRO stage 0, fp16, bf16 and TRL trainers under DeepSpeed are refused by ``exact()``.
+the norm it measured. With ``bf16=True`` (``"bf16": {"enabled": "auto"}`` or true in the config) the engine is bf16
+and the accumulator keeps each window's sum in float32, rounded to bf16 once for DeepSpeed's reduction, as
+``exact(engine)`` does (:mod:`gradagg.integrations.deepspeed`). ZeRO stage 0, fp16 (DeepSpeed's CPU accelerator has
+none: its loss scaling under ``exact()`` never ran), the bf16 settings ``exact(engine)`` refuses
+(``data_types.grad_accum_dtype`` other than bf16, ``bf16.check_grad_overflow`` false) and TRL trainers under
+DeepSpeed are refused by ``exact()``.
 
 TRL: ``SFTTrainer``, ``DPOTrainer`` (loss types that are a mean of a per-pair loss) and ``GRPOTrainer`` (its
 ``loss_type`` aggregated over the window, :mod:`gradagg.integrations._grpo`: its microbatch is opened in
@@ -94,7 +99,8 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
 
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
-            not make exact (DeepSpeed ZeRO stage 0, fp16 or bf16, or with a TRL trainer; FSDP version 1,
+            not make exact (DeepSpeed ZeRO stage 0, fp16, bf16 with ``data_types.grad_accum_dtype`` other than bf16 or
+            ``bf16.check_grad_overflow`` false, or with a TRL trainer; FSDP version 1,
             ``DataParallel`` over several GPUs, tensor, context or sequence parallelism, a MoE auxiliary loss); a
             TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, a ``DPOTrainer`` whose
             ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
@@ -449,7 +455,8 @@ def _check_setup(trainer: Any) -> None:
 
 def _deepspeed_problems(trainer: Any) -> list[str]:
     """What :class:`~gradagg.integrations.deepspeed.DeepSpeedAccumulator` would refuse of the engine the Trainer will
-    build (ZeRO stage, precision), read from its DeepSpeed config; TRL trainers, untested under DeepSpeed."""
+    build (ZeRO stage, precision), read from its DeepSpeed config at ``exact()`` rather than met at the first step;
+    TRL trainers, untested under DeepSpeed."""
     plugin = trainer.accelerator.state.deepspeed_plugin
     stage = int(plugin.zero_stage)
     config = plugin.hf_ds_config
@@ -457,12 +464,28 @@ def _deepspeed_problems(trainer: Any) -> list[str]:
     if stage not in (1, 2, 3):
         problems.append(f"DeepSpeed ZeRO stage {stage} (gradagg needs ZeRO stage 1, 2 or 3: its "
                         "coalesce_grad_reduction, which keeps a window's gradients local, needs one)")
-    for dtype, why in (("fp16", "exact(engine) refuses DeepSpeed's fp16"),
-                       ("bf16", "not yet tested under the Trainer; exact(engine) and Accelerate's plugin take it")):
-        if config.is_true(f"{dtype}.enabled") or getattr(trainer.args, dtype, False):
-            problems.append(f"DeepSpeed with {dtype} ({why}; use float32 with the Trainer under DeepSpeed)")
+    if config.is_true("fp16.enabled") or getattr(trainer.args, "fp16", False):
+        problems.append("DeepSpeed with fp16 (exact(engine) refuses DeepSpeed's fp16; use bf16 or float32)")
+    if config.is_true("bf16.enabled") or getattr(trainer.args, "bf16", False):
+        problems.extend(_deepspeed_bf16_problems(config))
     if check_trl(trainer) is not None:
         problems.append(f"a TRL {type(trainer).__name__} under DeepSpeed (not tested)")
+    return problems
+
+
+def _deepspeed_bf16_problems(config: Any) -> list[str]:
+    """The bf16 settings :func:`gradagg.integrations.deepspeed.exact` refuses, as the Trainer's config writes them:
+    a ``data_types.grad_accum_dtype`` other than bf16 (ZeRO-1 then runs DeepSpeed's ``BF16_Optimizer``, which cannot
+    keep a window's gradients local; gradagg sums the window in float32 itself), ``bf16.check_grad_overflow`` false
+    (DeepSpeed would apply a non-finite step)."""
+    problems = []
+    accum = config.get_value("data_types.grad_accum_dtype")
+    if accum is not None and str(accum).removeprefix("torch.") not in ("bf16", "bfloat16"):
+        problems.append(f"DeepSpeed bf16 with data_types.grad_accum_dtype {accum!r} (leave it unset: exact() keeps "
+                        "the window's sum in float32 itself)")
+    if config.is_false("bf16.check_grad_overflow"):
+        problems.append("DeepSpeed bf16 with bf16.check_grad_overflow false (leave it true, DeepSpeed's default: it "
+                        "skips a step with non-finite gradients on every rank)")
     return problems
 
 

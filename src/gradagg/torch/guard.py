@@ -26,6 +26,9 @@ each optimizer's last step, missed every loop where no step marks a window's end
   :class:`~gradagg.errors.WindowError`, naming the clip and the fix.
 * FSDP1's own ``FullyShardedDataParallel.clip_grad_norm_`` (a method, wrapped once FSDP1 is imported): the same
   as ``clip_grad_norm_``, over the module's parameters.
+* ``torch.amp.GradScaler.unscale_``, and FSDP's ``ShardedGradScaler.unscale_`` (its own method, wrapped once
+  ``torch.distributed.fsdp.sharded_grad_scaler`` is imported): a reader like a clip, and its scale readied on a
+  rank that ran no microbatch in the window.
 * ``torch.nn.utils.clip_grads_with_norm_`` over held parameters: always refused, since its norm was
   computed before (torchtitan and Accelerate call ``get_total_norm([p.grad ...])``, which saw no gradient).
 * an optimizer step over held parameters of an accumulator not attached to it: refused. A step while no window
@@ -358,8 +361,9 @@ _CLIPS = {"clip_grad_norm_": True, "clip_grad_value_": True, "clip_grads_with_no
 
 
 def _guarded_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.amp.GradScaler.unscale_``: a reader of the gradients like a clip (an attached window finishes
-    first, an unattached one is refused), and a scale ready on a rank that ran no microbatch.
+    """``torch.amp.GradScaler.unscale_`` (and ``ShardedGradScaler``'s): a reader of the gradients like a clip (an
+    attached window finishes first, an unattached one is refused), and a scale ready on a rank that ran no
+    microbatch.
 
     GradScaler sets its scale at its first ``scale(loss)``; a rank with no microbatch in the window never called
     it, yet ``finish()`` hands it the window's (scaled) gradient like every rank, and ``unscale_`` would fail on
@@ -424,9 +428,15 @@ class _Patching:
         ]
 
     def install_fsdp1(self) -> None:
-        """Wrap FSDP1's own clip where the user imported FSDP1 (never imported here: it is heavy)."""
+        """Wrap FSDP1's own clip, and FSDP's ``ShardedGradScaler.unscale_`` (its own method: the wrapper on
+        ``GradScaler``'s does not reach it), where the user imported them (never imported here: they are heavy)."""
         import sys
 
+        scaler = getattr(sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler"), "ShardedGradScaler", None)
+        if scaler is not None and self.handles and "ShardedGradScaler.unscale_" not in self.wrappers:
+            original_unscale = getattr(scaler.unscale_, "__gradagg_original__", scaler.unscale_)
+            self.wrappers["ShardedGradScaler.unscale_"] = _guarded_unscale(original_unscale)
+            scaler.unscale_ = self.wrappers["ShardedGradScaler.unscale_"]
         fsdp = sys.modules.get("torch.distributed.fsdp")
         cls = getattr(fsdp, "FullyShardedDataParallel", None)
         if cls is None or not self.handles or "FullyShardedDataParallel.clip_grad_norm_" in self.wrappers:
@@ -445,6 +455,10 @@ class _Patching:
         if fsdp1_clip is not None and cls is not None and cls.clip_grad_norm_ is fsdp1_clip:
             cls.clip_grad_norm_ = fsdp1_clip.__gradagg_original__  # type: ignore[attr-defined]
 
+        sharded = self.wrappers.pop("ShardedGradScaler.unscale_", None)
+        scaler = getattr(sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler"), "ShardedGradScaler", None)
+        if sharded is not None and scaler is not None and scaler.unscale_ is sharded:
+            scaler.unscale_ = sharded.__gradagg_original__  # type: ignore[attr-defined]
         unscale = self.wrappers.pop("GradScaler.unscale_", None)
         if unscale is not None and torch.amp.GradScaler.unscale_ is unscale:  # someone else's replacement stays
             torch.amp.GradScaler.unscale_ = unscale.__gradagg_original__  # type: ignore[attr-defined, method-assign]

@@ -29,18 +29,24 @@ OVERFLOW = {2: [[[5, 3], [4]], [[2, 6], [1, 3]], [[4], [6]]],
 MANY = 32
 
 
-def bf16_world(cases: list[tuple[str, int, float]], accelerate: tuple[int, ...] = ()) -> dict[str, Any]:
+def bf16_world(cases: list[tuple[str, int, float]], accelerate: tuple[int, ...] = (),
+               trainer: dict[int, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Run each ``(loop, stage, clip)``: "exact" (gradagg on uneven counts, ZeRO-3 padded), "even" and "native"
     (gradagg, and DeepSpeed's own recipe with gradient_accumulation_steps 3, on even counts), "many" and
     "many_native" (one window of MANY full microbatches per rank), "overflow" (gradagg, a non-finite microbatch on
     rank 0 in window 1). Returns per case, per window: the applied gradient's errors (see :func:`errors`), the
     ledger's divisor and whether DeepSpeed applied the step; on 2 ranks, :func:`refusals` too; then, per ZeRO stage
-    of ``accelerate``, :func:`accelerate_bf16`."""
+    of ``accelerate``, :func:`accelerate_bf16`; per ZeRO stage of ``trainer``, its Hugging Face Trainer cases
+    (:func:`deepspeed_hf.stage_world`, ``bf16`` set in each)."""
+    from tests.integrations.workers import deepspeed_hf
+
     dz.launcher()
     out: dict[str, Any] = {f"{loop}/{stage}/{clip}": _case(loop, stage, clip) for loop, stage, clip in cases}
     if dist.get_world_size() == 2:
         out["refused"] = refusals()
-    return {**out, **{f"accelerate/{stage}": accelerate_bf16(stage) for stage in accelerate}}
+    out.update({f"accelerate/{stage}": accelerate_bf16(stage) for stage in accelerate})
+    return {**out, **{f"trainer/{stage}": deepspeed_hf.stage_world(stage, [{**c, "bf16": True} for c in trainer_cases])
+                      for stage, trainer_cases in (trainer or {}).items()}}
 
 
 def engine(stage: int, clip: float, steps: int = 1, **bf16: Any) -> Any:

@@ -10,6 +10,7 @@ computes the float64 truth of the window's sequences of both ranks at the parame
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import tempfile
@@ -27,8 +28,9 @@ LR = 1.0
 
 def stage_world(stage: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every case (``exact``, ``clip``, ``avg_tokens``, ``bad`` as in :func:`hf.bad_count`, ``window``: the
-    TrainingArguments' gradient_accumulation_steps, which fills the config's ``"auto"``, 3 unless given) under ZeRO
-    ``stage``, one after the other on this rank."""
+    TrainingArguments' gradient_accumulation_steps, which fills the config's ``"auto"``, 3 unless given; ``bf16``:
+    the Trainer's ``bf16=True``, which fills the config's ``"bf16": {"enabled": "auto"}``) under ZeRO ``stage``,
+    one after the other on this rank."""
     hf.launcher_environment()
     dz.no_shared_memory_op()
     return [_case(stage, case) for case in cases]
@@ -57,9 +59,10 @@ def _deepspeed_state() -> None:
 
 
 def _config(stage: int) -> dict[str, Any]:
-    # no train_batch_size: "auto" fills it with TrainingArguments.world_size, 1 in a world the harness started
+    # no train_batch_size: "auto" fills it with TrainingArguments.world_size, 1 in a world the harness started;
+    # "bf16": "auto" as Hugging Face's DeepSpeed configs write it: TrainingArguments.bf16 fills it
     return {"train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
 
@@ -73,6 +76,8 @@ def _trainer(stage: int, case: dict[str, Any], out: str) -> Any:
         max_grad_norm=case.get("clip", 0.0), logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, seed=7, average_tokens_across_devices=case.get("avg_tokens", True), ddp_timeout=60,
         deepspeed=_config(stage), accelerator_config={"use_configured_state": True},  # see _deepspeed_state
+        # TrainingArguments refuses bf16 without a bf16 GPU unless use_cpu, as a user on CPU must write it
+        **({"bf16": True, "use_cpu": True} if case.get("bf16") else {}),
     )
     return Trainer(model=tl.model(0), args=args, train_dataset=hf.dataset_rows(), data_collator=tl.collate)
 
@@ -91,7 +96,7 @@ def _case(stage: int, case: dict[str, Any]) -> dict[str, Any]:
         inner = trainer.training_step
 
         def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-            rec.pending.extend(hf._unpad(inputs))
+            rec.pending.append(hf._unpad(inputs))  # a microbatch's sequences (bf16: its own gradient, see _score)
             return inner(model, inputs, num_items_in_batch)
 
         trainer.training_step = training_step
@@ -104,10 +109,12 @@ def _case(stage: int, case: dict[str, Any]) -> dict[str, Any]:
                     "engine_steps": trainer.model_wrapped.global_steps}
         engine = trainer.model_wrapped
         summary = {"engine": type(engine).__name__, "stage": int(engine.zero_optimization_stage()),
-                   "steps": trainer.state.global_step, "engine_steps": engine.global_steps}
+                   "steps": trainer.state.global_step, "engine_steps": engine.global_steps,
+                   "dtype": str(next(engine.module.parameters()).dtype)}
     if dist.get_rank() != 0:
         return {}
-    return {**summary, "logs": rec.logs, "windows": [_score(w, case.get("clip", 0.0)) for w in windows]}
+    return {**summary, "logs": rec.logs,
+            "windows": [_score(w, case.get("clip", 0.0), case.get("bf16", False)) for w in windows]}
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -135,8 +142,9 @@ def _callback_class() -> type:
             mine, self.rec.pending = self.rec.pending, []
             every: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
-            self.windows.append({"before": self.before, "after": _full(kw["model"]),
-                                 "seqs": [s for part in every for s in part]})
+            microbatches = [mb for part in every for mb in part]
+            self.windows.append({"before": self.before, "after": _full(kw["model"]), "microbatches": microbatches,
+                                 "seqs": [s for mb in microbatches for s in mb]})
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
             if logs and "loss" in logs:
@@ -145,14 +153,41 @@ def _callback_class() -> type:
     return WindowCallback
 
 
-def _score(window: dict[str, Any], clip: float) -> dict[str, Any]:
+def _score(window: dict[str, Any], clip: float, bf16: bool) -> dict[str, Any]:
     """The applied gradient against the float64 token mean of the window's sequences (clipped as DeepSpeed clips:
-    by clip / (norm + 1e-6) when that is below 1, torch's coefficient)."""
+    by clip / (norm + 1e-6) when that is below 1, torch's coefficient). ``bf16``: the truth is taken at the bf16
+    parameters the forward ran with (DeepSpeed's bf16 copy of its float32 master weights), and beside it ``floor``,
+    the error of each microbatch's bf16 gradient (at those parameters, in one process) summed exactly, in float64,
+    which no accumulation can beat, and ``added``, the applied gradient's error against that exact sum."""
     model = tl.model(0)
-    model.load_state_dict({n: t.float() for n, t in window["before"].items()}, strict=False)
+    at = {n: t.to(torch.bfloat16) if bf16 else t for n, t in window["before"].items()}
+    model.load_state_dict({n: t.float() for n, t in at.items()}, strict=False)
     want = tl.truth(model, window["seqs"])
     norm = math.sqrt(sum(float((g * g).sum()) for g in want.values()))
     coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
     got = {n: (window["before"][n] - window["after"][n]) / LR for n in want}
-    return {"error": tl.relative_error(got, {n: g * coef for n, g in want.items()}), "norm": norm,
-            "loss": hf.true_loss(model, window["seqs"]), "sequences": len(window["seqs"])}
+    out = {"error": tl.relative_error(got, {n: g * coef for n, g in want.items()}), "norm": norm,
+           "loss": hf.true_loss(model, window["seqs"]), "sequences": len(window["seqs"])}
+    if bf16:
+        ref = _bf16_sum(model, window["microbatches"])
+        ref_norm = math.sqrt(sum(float((g * g).sum()) for g in ref.values()))
+        ref_coef = min(1.0, clip / (ref_norm + 1e-6)) if clip > 0 else 1.0
+        ref = {n: g * ref_coef for n, g in ref.items()}
+        out.update(floor=tl.relative_error(ref, {n: g * coef for n, g in want.items()}),
+                   added=tl.relative_error(got, ref))
+    return out
+
+
+def _bf16_sum(model: torch.nn.Module, microbatches: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
+    """Each microbatch's gradient of its token-summed loss, computed in bf16 as on its rank (the same padded
+    batch), summed exactly in float64 and divided by the window's tokens."""
+    narrow = copy.deepcopy(model).to(torch.bfloat16)
+    total = sum(tl.tokens(tl.collate([s])) for mb in microbatches for s in mb)
+    out: dict[str, torch.Tensor] = {}
+    for mb in microbatches:
+        narrow.zero_grad(set_to_none=True)
+        tl.token_sum_loss(narrow, tl.collate(mb)).backward()  # type: ignore[no-untyped-call]
+        for n, p in narrow.named_parameters():
+            if p.grad is not None:
+                out[n] = out.get(n, 0) + p.grad.double() / total
+    return out
