@@ -32,20 +32,33 @@ What :meth:`ReplicaGroups.finish` does, on every rank of every group:
 3. the gradients are divided by the summed counts (the total weight; the total microbatches without weights);
    a parameter no group gave a gradient stays None;
 4. ``manager.should_commit()``: False when torchft saw an error (a group died mid-step, an all-reduce failed),
-   too few replicas, or nothing to divide by (reported to the manager first). The gradients are then dropped (None)
-   and the optimizer must not step.
+   too few replicas, or nothing to divide by (reported to the manager first).
+
+**A failed step is retried by the survivors** (``retries=1``, the default): a new quorum at the same step (a failed
+commit does not move torchft's step; the dead group is left out) and stages 2 to 4 again, from the group's own
+gradients (``acc.finish()``'s, left untouched until a step commits: the all-reduced buffer may be corrupted). The
+step committed is then the token mean over the surviving groups' windows; only the dead group's are lost. A window
+is *stale* when the retry's quorum healed the group (its step moved: the others committed the step; or a heal at
+the same step, as ``init_sync`` does at step 0, changed its parameters): it is sent as zeros and reported skipped,
+and the group commits the others' step with them, never two steps for one. Every window carries a random token
+in its counts, and each group keeps the tokens of the steps it committed in the state torchft hands a healing
+group (``register_state_dict_fn("gradagg", ...)``): a group whose own commit failed after its data reached the
+others learns at its retry's heal that they committed it, and reports it applied there, not skipped (re-fed, it
+would count twice). When every attempt fails the gradients are dropped (None) and the optimizer must not step;
+``retries=0`` is torchft's own behaviour (it cannot tell a window the others committed from one nobody did).
 
 The :class:`StepReport` says what happened: committed or not, why not, this group's tokens and microbatches, the
-summed counts (the divisor), and ``skipped``: the keys of this rank's microbatches that no committed step applied
-(all of them in a dropped step; all of them for a healing group, whose data sat the step out). Re-feed those, or
-record them as skipped: either way every sample is in exactly one committed step or reported. A group that fails
-locally calls :meth:`ReplicaGroups.abandon` to report its own window before leaving.
+summed counts (the divisor), ``attempts``, ``applied_in`` (the committed step holding this window) and ``skipped``:
+the keys of this rank's microbatches that no committed step applied (all of them in a dropped step; all of them for
+a healing or stale group, whose data sat the step out). Re-feed those, or record them as skipped: either way every
+sample is in exactly one committed step or reported. A group that fails locally calls :meth:`ReplicaGroups.abandon`
+to report its own window before leaving.
 
 Not covered: ``terms=`` accumulators (each loss term divided by its own count cannot be re-divided: refused) and
 ``divisors()`` ("divided ahead": refused on every group); FSDP2 and HSDP inside a group are untested. Memory: one
-gradient-sized buffer (the flat SUM that travels), kept between windows; a committed step's gradients are views of
-it, dropped (``zero_grad()``) before the next window as the accumulator requires. This module imports nothing of
-torchft: the manager is the caller's.
+gradient-sized buffer (the flat SUM that travels), kept between windows, and none more for the retry; a committed
+step's gradients are views of it, dropped (``zero_grad()``) before the next window as the accumulator requires.
+This module imports nothing of torchft: the manager is the caller's.
 """
 
 from __future__ import annotations
