@@ -14,7 +14,8 @@ do). Timed on each survivor, from the start of step 1's window until a committed
 
 Each world is one run of one mode (a death cannot be undone); the modes alternate (retry, drop, drop, retry, ...).
 A run's time is the slower survivor's. Both modes pay the same failure detection and new quorum; the difference
-is the forward and backward the retry does not redo.
+is the forward and backward the retry does not redo. Each survivor's peak RSS (the process's high-water mark, model
+and optimizer included) shows the memory: the retry keeps no second gradient-sized buffer.
 
 Run: ``flock /tmp/gradagg-bench.lock .venv/bin/python bench/bench_torchft_failure.py`` (``--quick``: a small
 model, one run of each: a smoke run).
@@ -26,6 +27,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -98,6 +100,7 @@ def failure_rank(lighthouse: str, ports: list[int], mode: str, widths: list[int]
         elapsed = time.perf_counter() - t0
         opt.step()
         return {"time": elapsed, "window": spent / windows, "windows": windows, "attempts": report.attempts,
+                "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 "params": sum(p.numel() for p in model.parameters())}
     finally:
         manager.shutdown(wait=False)
@@ -129,15 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     t = {m: [max(r["time"] for r in run) for run in rs] for m, rs in results.items()}
     w = {m: statistics.median(r["window"] for run in rs for r in run) for m, rs in results.items()}
     windows = {m: sorted({r["windows"] for run in rs for r in run}) for m, rs in results.items()}
+    peak = {m: statistics.median(r["peak_mb"] for run in rs for r in run) for m, rs in results.items()}
     params = results["retry"][0][0]["params"]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load {os.getloadavg()[0]:.1f}; {params / 1e6:.2f} M parameters, {GROUPS} groups, group {DIES} dies, "
           f"{runs} runs of each mode")
-    print("| mode | failed step to its commit, median (min), ms | windows of forward and backward | one window, ms |")
-    print("|---|---|---|---|")
+    print("| mode | failed step to its commit, median (min), ms | windows of forward and backward | one window, ms "
+          "| a survivor's peak RSS, median, MB |")
+    print("|---|---|---|---|---|")
     for m, name in (("drop", "torchft's drop and redo (retries=0)"), ("retry", "gradagg's retry (retries=1)")):
         print(f"| {name} | {statistics.median(t[m]) * 1e3:.0f} ({min(t[m]) * 1e3:.0f}) | "
-              f"{', '.join(map(str, windows[m]))} | {w[m] * 1e3:.0f} |")
+              f"{', '.join(map(str, windows[m]))} | {w[m] * 1e3:.0f} | {peak[m]:.0f} |")
+    for m in ("drop", "retry"):
+        print(f"{m}, each run, ms: " + ", ".join(f"{x * 1e3:.0f}" for x in t[m]))
     print(f"retry / drop, ratio of medians: {statistics.median(t['retry']) / statistics.median(t['drop']):.3f}; "
           f"saved, median: {(statistics.median(t['drop']) - statistics.median(t['retry'])) * 1e3:.0f} ms")
     return 0
