@@ -457,10 +457,23 @@ class ReplicaGroups:
             t.grad = None
 
 
+_CHUNK = 1 << 18
+"""Elements per float64 piece of the fingerprint: a whole parameter in float64 would cost twice its size again."""
+
+
 def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each parameter's sum and sum of squares, in float64: a heal that replaces them with other values changes it."""
-    rows = [torch.stack([x.sum(), x.square().sum()]) for x in (sums.local(t.detach()).double() for t in tensors)]
-    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+    """Each parameter's sum and sum of squares, in float64: a heal that replaces them with other values changes it.
+
+    >>> _fingerprint([torch.tensor([1.0, 2.0]), torch.zeros(3)]).tolist()
+    [[3.0, 5.0], [0.0, 0.0]]
+    """
+    out = torch.zeros(len(tensors), 2, dtype=torch.float64)
+    for row, t in zip(out, tensors):
+        for piece in torch.split(sums.local(t.detach()).reshape(-1), _CHUNK):
+            x = piece.double()
+            row[0] += x.sum()
+            row[1] += x.square().sum()
+    return out
 
 
 def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = "", retries: int = 1) -> ReplicaGroups:
