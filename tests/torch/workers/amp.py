@@ -114,12 +114,7 @@ def amp_world(layout: str, precision: str, scaled: bool, attached: bool = False)
         torch.nn.utils.clip_grad_norm_(base.parameters(), 1e3)  # far above the norm: a clip that keeps it exact
         got = _grads(model)
         finite = all(g is None or bool(g.isfinite().all()) for g in got.values())
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(opt, scaler)
         after = _plain_state(model)
         out.append({
             "error": _relative(got, want) if finite else float("nan"),
@@ -129,3 +124,13 @@ def amp_world(layout: str, precision: str, scaled: bool, attached: bool = False)
             "naive": _naive_relative(model, window),
         })
     return out
+
+
+def step(opt: torch.optim.Optimizer, scaler: Any) -> None:
+    """The optimizer's step through the scaler when there is one (it skips a non-finite step), then zero_grad."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)

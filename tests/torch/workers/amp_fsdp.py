@@ -100,12 +100,7 @@ def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "t
         mine_finite = all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters() if p.grad is not None)
         got = _grads(model)
         finite = all(g is None or bool(g.isfinite().all()) for g in got.values())
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        amp.step(opt, scaler)
         after = _full(model)
         out.append({
             "error": amp._relative(got, want) if finite else float("nan"),
