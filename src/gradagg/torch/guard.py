@@ -250,10 +250,37 @@ def attach_optimizer(state: State, optimizer: Any, finish: Finish, *, leaf: bool
 
 def due(state: State, optimizer: Any) -> bool:
     """Whether an attached ``optimizer``'s step must finish the window first: a window is open on some rank
-    (:func:`agree`), or no window was finished since its last step (or its ``attach``); the latter finishes an
-    empty window, which refuses (M = 0) on every rank, rather than step on no gradient or an unreduced one."""
-    held = agree(state, f"{type(optimizer).__name__}.step()")
-    return held or entry_of(state).marks.get(optimizer) == state.finished
+    (:func:`agree`; not asked where :func:`_finish_due`), or no window was finished since its last step (or its
+    ``attach``); the latter finishes an empty window, which refuses (M = 0) on every rank, rather than step on no
+    gradient or an unreduced one."""
+    what = f"{type(optimizer).__name__}.step()"
+    entry = entry_of(state)
+    if _finish_due(entry, state) and entry.marks.get(optimizer) == state.finished:
+        _refuse_inside(state, what)
+        return True
+    return agree(state, what) or entry.marks.get(optimizer) == state.finished
+
+
+def _finish_due(entry: Entry, state: State) -> bool:
+    """Whether an attached clip or step must finish without asking the ranks (:func:`agree`) first: the wrapper
+    opens windows together (``Wrapper.opens_together``: FSDP2 unshards every module, the shards forms agree each
+    microbatch's round) in a group of several ranks, and no window was finished since an attached optimizer's last
+    step. Every rank decides alike (each finishes and steps alike; the wrapper is the same everywhere).
+
+    There a rank that ran no microbatch must join the window's opening collective, which the other ranks already
+    wait in, before any other: its ``finish()`` opens the window first, where :func:`agree`'s ``all_gather`` would
+    meet theirs (gloo aborts on the sizes). ``finish()`` refuses what :func:`agree` refuses, on every rank: another
+    accumulator, a held gradient read; a rank inside a microbatch refuses here (:func:`_refuse_inside`). Elsewhere
+    the ranks are asked, and a clip with no window open anywhere passes.
+    """
+    if state.world == 1 or not state.wrapper.opens_together:
+        return False
+    return any(entry.marks.get(leaf) == state.finished for leaf in list(entry.leaves))
+
+
+def _refuse_inside(state: State, what: str) -> None:
+    if state.window.in_microbatch:
+        raise WindowError(f"{what} called inside microbatch() (on rank {state.rank}): clip and step after finish()")
 
 
 def note_step(optimizer: Any) -> None:
@@ -321,19 +348,31 @@ def _step_post_hook(optimizer: Any, _args: object, _kwargs: object) -> None:
 # --- the clips ----------------------------------------------------------------------------------------
 
 
-def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> None:
+def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> list[torch.Tensor]:
     """Before ``torch.nn.utils.<name>`` over ``tensors``: finish the windows it would miss, or refuse.
+
+    Returns:
+        The tensors to clip: ``tensors``, each of a window's unsharded parameters (FSDP2's window form: what
+        ``model.parameters()`` yields while its window is open) replaced by its sharded parameter once that window
+        finished here, which holds the gradient now (the unsharded tensor is freed, its ``.grad`` None).
 
     Raises:
         WindowError: held gradients that cannot be made right here (see the module docstring).
     """
     what = name if "." in name else f"torch.nn.utils.{name}"  # (GradScaler.unscale_ comes by its own name)
     for entry, state in _live():
-        if not _indices(state, tensors) or not agree(state, what):
+        if not _indices(state, tensors):
             continue
         finish = next(iter(entry.attached.values()), None)
+        if can_finish and finish is not None and _finish_due(entry, state):
+            _refuse_inside(state, what)
+            tensors = _finished_here(state, finish, tensors)  # see _finish_due: every rank clips here, then steps
+            continue
+        if not agree(state, what):
+            continue
         if can_finish and finish is not None:
-            finish()  # attached: every rank clips here, so every rank finishes here, then clips the exact gradient
+            # attached: every rank clips here, so every rank finishes here, then clips the exact gradient
+            tensors = _finished_here(state, finish, tensors)
             continue
         why = "(the norm was computed before, on no gradient) " if name == "clip_grads_with_norm_" else ""
         raise WindowError(
@@ -341,6 +380,15 @@ def before_clip(name: str, tensors: list[torch.Tensor], *, can_finish: bool) -> 
             "window was not finished: .grad holds none, nothing would be clipped); call acc.finish() before clipping"
             + ("" if name == "clip_grads_with_norm_" else ", or acc.attach(optimizer): a clip then finishes first")
         )
+    return tensors
+
+
+def _finished_here(state: State, finish: Finish, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``finish``; ``tensors`` with the window's unsharded parameters replaced by the sharded ones."""
+    sharded = {id(t): state.tensors[i] for i, t in state.wrapper.held().items()}
+    finish()
+    return [sharded.get(id(t), t) for t in tensors]
+
 
 def _as_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -350,8 +398,7 @@ def _guarded(name: str, original: Callable[..., Any], *, can_finish: bool) -> Ca
     @functools.wraps(original)
     def guarded(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         params = _as_list(parameters)  # a generator would be spent by the check: pass the list on
-        before_clip(name, params, can_finish=can_finish)
-        return original(params, *args, **kwargs)
+        return original(before_clip(name, params, can_finish=can_finish), *args, **kwargs)
 
     guarded.__gradagg_original__ = original  # type: ignore[attr-defined]
     return guarded
@@ -375,7 +422,7 @@ def _guarded_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     def unscale_(scaler: Any, optimizer: Any) -> Any:
         params = optimizer_params(optimizer)
         if _live() and any(_indices(state, params) for _, state in _live()):
-            before_clip("GradScaler.unscale_", params, can_finish=True)
+            params = before_clip("GradScaler.unscale_", params, can_finish=True)
             grads = [p.grad for p in params if p.grad is not None]
             if grads and scaler.is_enabled():
                 scaler.scale(torch.zeros((), device=grads[0].device))  # sets a scale never set; else changes nothing
@@ -383,6 +430,22 @@ def _guarded_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
 
     unscale_.__gradagg_original__ = original  # type: ignore[attr-defined]
     return unscale_
+
+
+def _noted_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.amp.GradScaler.step`` (``ShardedGradScaler``'s too: it inherits it): an attached optimizer's step as
+    the scaler decided it. A step skipped for an inf or NaN (the scaler's business: the window is dropped, the scale
+    backs off) runs no optimizer step hook, yet the window it finished is spent: marked like a step (see
+    :func:`due`), so that the next window's first clip or step finishes without asking (:func:`_finish_due`)."""
+
+    @functools.wraps(original)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(scaler, optimizer, *args, **kwargs)
+        note_step(optimizer)
+        return out
+
+    step.__gradagg_original__ = original  # type: ignore[attr-defined]
+    return step
 
 
 def _guarded_fsdp1_clip(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -422,6 +485,9 @@ class _Patching:
         original_unscale = getattr(scaler.unscale_, "__gradagg_original__", scaler.unscale_)
         self.wrappers["GradScaler.unscale_"] = _guarded_unscale(original_unscale)
         scaler.unscale_ = self.wrappers["GradScaler.unscale_"]  # type: ignore[method-assign]
+        original_step = getattr(scaler.step, "__gradagg_original__", scaler.step)
+        self.wrappers["GradScaler.step"] = _noted_scaler_step(original_step)
+        scaler.step = self.wrappers["GradScaler.step"]  # type: ignore[method-assign]
         self.handles = [
             register_optimizer_step_pre_hook(_step_pre_hook),
             register_optimizer_step_post_hook(_step_post_hook),
@@ -462,6 +528,9 @@ class _Patching:
         unscale = self.wrappers.pop("GradScaler.unscale_", None)
         if unscale is not None and torch.amp.GradScaler.unscale_ is unscale:  # someone else's replacement stays
             torch.amp.GradScaler.unscale_ = unscale.__gradagg_original__  # type: ignore[attr-defined, method-assign]
+        step = self.wrappers.pop("GradScaler.step", None)
+        if step is not None and torch.amp.GradScaler.step is step:
+            torch.amp.GradScaler.step = step.__gradagg_original__  # type: ignore[attr-defined, method-assign]
         for name, wrapper in self.wrappers.items():
             for where in (torch.nn.utils, clip_module):
                 if getattr(where, name, None) is wrapper:  # someone else's replacement stays

@@ -11,20 +11,20 @@ from typing import Any
 
 import pytest
 
-from gradagg.errors import CollectiveError
 from gradagg.testing import run_local_world
 from tests.torch.accumulate.test_amp import BOUND, WORLD
 from tests.torch.workers import amp, amp_fsdp
 
 MODES = ("shards", "window")
-Case = tuple[str, bool, str, str, bool]  # precision, scaled, the scaler (torch's or FSDP's sharded), overflow, attached
-EXACT: list[Case] = [("bf16", False, "torch", "whole", False), ("fp16", True, "torch", "whole", False),
-                     ("fp16", True, "torch", "whole", True), ("fp16", True, "sharded", "whole", True)]
+Case = tuple[str, bool, str, str, str]  # precision, scaled, the scaler (torch's or FSDP's sharded), overflow, attached
+# attached: "" (finish() called), "microbatches" (attach(opt), acc.microbatches()) or "loop" (attach(opt), a plain for
+# loop: a rank with no microbatch calls nothing of the accumulator before its unscale_)
+EXACT: list[Case] = [("bf16", False, "torch", "whole", ""), ("fp16", True, "torch", "whole", ""),
+                     ("fp16", True, "torch", "whole", "microbatches"), ("fp16", True, "sharded", "whole", "loop")]
 # an overflow whose non-finite elements land in rank 0's shard alone (rank 1's is finite), under torch's GradScaler
 # and FSDP's ShardedGradScaler
-SHARD: list[Case] = [("fp16", True, "torch", "shard", False), ("fp16", True, "sharded", "shard", False)]
-ATTACHED_WINDOW: Case = ("fp16", True, "torch", "whole", True)  # the window form attached: see the xfail below
-CASES = {"shards": EXACT + SHARD, "window": [c for c in EXACT if not c[4]] + SHARD}
+SHARD: list[Case] = [("fp16", True, "torch", "shard", ""), ("fp16", True, "sharded", "shard", "")]
+CASES = {mode: EXACT + SHARD for mode in MODES}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,10 @@ def test_autocast_and_grad_scaler_under_fsdp2_are_exact_within_the_round_off(wor
     (a mean of per-rank means) off by its weighting; with a scaler, the window rank 1 blew up is skipped on every
     rank and the scale halved there, the next window exact again; rank 1 in window 0 ran no microbatch, yet its
     scaler unscales the window's gradient. Attached (torch's GradScaler and FSDP's ShardedGradScaler), no
-    ``finish()`` is called: ``unscale_`` finishes the window first (``fsdp="shards"``; the window form: the xfail
-    below)."""
+    ``finish()`` is called: ``unscale_`` finishes the window first, in both forms, with ``acc.microbatches()`` or a
+    plain loop. With the plain loop rank 1's ``unscale_`` in window 0 is its first call of the accumulator while
+    rank 0 waits in the window's opening collective (FSDP2's unshard; the shards form's rounds): it used to ask the
+    ranks first and abort gloo on the mismatched sizes."""
     precision, scaled = case[0], case[1]
     for rank in worlds[mode][case]:
         assert "raised" not in rank[0], rank
@@ -65,7 +67,7 @@ def test_a_non_finite_shard_on_one_rank_skips_the_step_on_every_rank(worlds: dic
     """Rank 1's backward in window 2 is infinite in hidden units 0-7 only: after the reduce-scatter rank 0's shard is
     non-finite and rank 1's finite, yet neither rank steps and both halve the scale (torch's GradScaler through
     DTensor's dispatch, ShardedGradScaler by its all-reduce); the windows before and after are exact."""
-    ranks = worlds[mode][("fp16", True, scaler, "shard", False)]
+    ranks = worlds[mode][("fp16", True, scaler, "shard", "")]
     assert all("raised" not in rank[0] for rank in ranks), ranks
     blown = [rank[amp.OVERFLOW[0]] for rank in ranks]
     assert [w["mine_finite"] for w in blown] == [False, True], blown
@@ -75,15 +77,3 @@ def test_a_non_finite_shard_on_one_rank_skips_the_step_on_every_rank(worlds: dic
                 assert not w["stepped"] and w["scale"] == rank[window - 1]["scale"] / 2, (window, w)
             else:
                 assert w["finite"] and w["stepped"] and w["error"] <= BOUND["fp16"], (window, w)
-
-
-@pytest.mark.xfail(strict=True, raises=CollectiveError, reason=(
-    "known bug: attach(opt) with fsdp='window', a rank that ran no microbatch: its unscale_ (or clip, or step) asks "
-    "the other ranks whether a window is open (guard.agree, an all_gather) while they wait in the window's opening "
-    "all-gathers (FsdpWindow.open unshards on every rank); gloo aborts on the mismatched sizes. finish() opens the "
-    "window first and is exact (the test above); fsdp='shards' attached is exact"))
-def test_attach_with_the_window_form_and_a_rank_without_microbatches() -> None:
-    """Window 0 runs 3 microbatches on rank 0 and none on rank 1, attached, no finish(): every window should be as
-    in the test above."""
-    ranks = run_local_world(amp_fsdp.amp_fsdp_world, 2, "window", [ATTACHED_WINDOW], **WORLD)
-    assert all(w["finite"] == (window != amp.OVERFLOW[0]) for rank in ranks for window, w in enumerate(rank[0]))

@@ -47,7 +47,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.full_tensor().double() for n, p in model.named_parameters()}
 
 
-def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str, bool]]) -> list[list[dict[str, Any]]]:
+def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str, str]]) -> list[list[dict[str, Any]]]:
     """Each case ``(precision, scaled, scaler_kind, overflow, attached)`` of :func:`amp_fsdp_case` in turn, a model
     each; a
     case that raised gives ``[{"raised": its message}]`` (the test names it) and ends the world's cases."""
@@ -61,15 +61,16 @@ def amp_fsdp_world(mode: str, cases: list[tuple[str, bool, str, str, bool]]) -> 
 
 
 def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "torch", overflow: str = "whole",
-                  attached: bool = False) -> list[dict[str, Any]]:
+                  attached: str = "") -> list[dict[str, Any]]:
     """Per window, as :func:`amp.amp_world`: the unscaled gradient's error against the float64 truth, whether the
     step ran on this rank, its scale, the usual recipe's error; and whether this rank's shard was finite.
 
     ``scaler_kind``: ``"torch"`` (``torch.amp.GradScaler``) or ``"sharded"`` (FSDP's ``ShardedGradScaler``, which
     all-reduces what it found over the ranks). ``overflow``: ``"whole"`` (rank 1's loss blown up in window 2: every
     element non-finite) or ``"shard"`` (rank 1's backward in window 2 non-finite in the first layer's first 8 hidden
-    units only: after the reduce-scatter, in rank 0's shard alone). ``attached``: ``acc.attach(opt)`` and no
-    ``finish()`` call: ``scaler.unscale_`` finishes the window first."""
+    units only: after the reduce-scatter, in rank 0's shard alone). ``attached``: ``""`` (not), ``"microbatches"``
+    (``acc.attach(opt)``, no ``finish()`` call: ``scaler.unscale_`` finishes the window first) or ``"loop"`` (the
+    same with a plain ``for`` loop over the microbatches instead of ``acc.microbatches()``)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     rank = dist.get_rank()
@@ -85,7 +86,8 @@ def amp_fsdp_case(mode: str, precision: str, scaled: bool, scaler_kind: str = "t
         twin = _full(model)
         want = amp._truth(twin, window)
         blow = scaled and (window, rank) == amp.OVERFLOW
-        for x in acc.microbatches(amp._mine(window, rank)):
+        mine = amp._mine(window, rank)
+        for x in mine if attached == "loop" else acc.microbatches(mine):
             with acc.microbatch(weight=len(x)):
                 with torch.autocast("cpu", dtype=amp.DTYPES[precision]), _shard_overflow(model, blow and
                                                                                         overflow == "shard"):

@@ -57,6 +57,10 @@ class Wrapper(Protocol):
     """Shards per reduce-scatter bucket (1 without sharding)."""
     shard_rank: int
     """This rank's shard in a reduce-scatter bucket."""
+    opens_together: bool
+    """Whether a window's opening or its microbatches run collectives every rank must join (FSDP2 unshards every
+    module; the shards forms agree each microbatch's round): a rank with no microbatch then joins them in
+    ``finish()``, before any other collective (see :func:`gradagg.torch.guard.due`)."""
 
     def held(self) -> dict[int, torch.Tensor]:
         """Parameter index -> another tensor standing for it during a window, whose ``.grad`` counts (FSDP2's

@@ -29,6 +29,7 @@ class FsdpWindow(Plain):
     """
 
     name = "fsdp window"
+    opens_together = True  # every rank unshards every FSDP module as a window opens
 
     def __init__(self, side: FsdpParams, sharded: frozenset[int]) -> None:
         super().__init__()

@@ -104,6 +104,8 @@ class Rounds:
             rank with a microbatch; the padding microbatches run here.
     """
 
+    opens_together = True  # each microbatch's round is agreed by every rank
+
     def __init__(self, pad: Pad, group: Any, zero_padding_loss: bool) -> None:
         self.rounds = get_world_size(group) > 1
         self.zero_padding_loss = zero_padding_loss

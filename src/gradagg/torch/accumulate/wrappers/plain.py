@@ -21,6 +21,7 @@ class Plain:
     """No wrapper: every parameter's gradient hooked into the buffer and all-reduced over the group."""
 
     name = "plain"
+    opens_together = False
 
     def __init__(self) -> None:
         self.sharded: frozenset[int] = frozenset()
