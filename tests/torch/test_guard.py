@@ -111,12 +111,15 @@ def test_originals_back_when_no_accumulator_lives() -> None:
     before = dict(vars(torch.nn.utils))
     acc = MicrobatchAccumulator(torch.nn.Linear(1, 1))
     assert torch.nn.utils.clip_grad_norm_ is guard.guarded_functions()["clip_grad_norm_"]
+    for name in ("unscale_", "step"):  # GradScaler's: a reader of the gradients, and the step it may skip
+        assert getattr(torch.amp.GradScaler, name) is guard.guarded_functions()[f"GradScaler.{name}"]
     acc.close()
     del acc
     gc.collect()
     if not guard._entries:  # another test's accumulator may still be alive: then the wrappers stay, harmless
         assert {k: vars(torch.nn.utils)[k] for k in before} == before or not guard.guarded_functions()
         assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+        assert not any(hasattr(getattr(torch.amp.GradScaler, n), "__gradagg_original__") for n in ("unscale_", "step"))
 
 
 @pytest.mark.parametrize("seed", range(6))
