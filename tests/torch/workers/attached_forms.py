@@ -24,7 +24,7 @@ DTYPES = {"fsdp1": torch.float32}  # the others float64
 WINDOWS = [[3, 0], [0, 2], [1, 1], [0, 0], [2, 1]]  # per rank; [0, 0]: no microbatch anywhere, refused (M = 0)
 
 
-def _wrapped(form: str) -> tuple[nn.Module, dict[str, Any]]:
+def wrapped(form: str) -> tuple[nn.Module, dict[str, Any]]:
     """The model as ``form`` wraps it, and the accumulator's keyword arguments."""
     model = fsdp1._model()
     if form == "ddp":
@@ -43,7 +43,7 @@ def _wrapped(form: str) -> tuple[nn.Module, dict[str, Any]]:
     return model, {}
 
 
-def _full(model: nn.Module, form: str) -> dict[str, torch.Tensor]:
+def full(model: nn.Module, form: str) -> dict[str, torch.Tensor]:
     if form == "fsdp1":
         return fsdp1.full_params(model)
     out = {}
@@ -59,7 +59,7 @@ def attached_world(form: str) -> list[Any]:
     from gradagg.errors import GradaggError
 
     rank, out = dist.get_rank(), []
-    model, kw = _wrapped(form)
+    model, kw = wrapped(form)
     acc = MicrobatchAccumulator(model, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     acc.attach(opt)
@@ -74,13 +74,13 @@ def attached_world(form: str) -> list[Any]:
             clip = model.clip_grad_norm_ if form == "fsdp1" else (
                 lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
             norm = float(clip(1e9))  # type: ignore[operator]
-            before = _full(model, form)  # after the clip: inside the window FSDP's parameters are another form
+            before = full(model, form)  # after the clip: inside the window FSDP's parameters are another form
             opt.step()
         except GradaggError as exc:
             out.append(f"{type(exc).__name__}: {exc}")
             acc.discard()
             continue
-        after = _full(model, form)
+        after = full(model, form)
         with torch.no_grad():  # undo the step: each window's truth starts from the initial weights
             for p in model.parameters():
                 if p.grad is not None:

@@ -75,8 +75,8 @@ class MicrobatchAccumulator:
             :mod:`gradagg.torch.accumulate.wrappers.fsdp`.
         pad: the shards form's padding microbatch, for a rank that ran out while others still run one:
             ``fn()`` (a forward on a small batch, returning its loss; its gradients are dropped), ``"replay"``
-            (default: the module's last forward inputs run again), or None (uneven counts then raise
-            GradaggError on every rank). Unused without FSDP2 and by the window form.
+            (default: every forward of this rank's last microbatch runs again, with its inputs), or None (uneven
+            counts then raise GradaggError on every rank). Used by the shards forms (FSDP2's, FSDP1's) only.
         bucket_mb: the size of a gradient bucket, one collective each (DDP's default: 25).
         terms: names of loss terms, each divided by its own count over the window on all ranks, counted as the
             window runs (see :mod:`.terms_after`): every backward is then ``mb.backward(term, loss, count=...)``,

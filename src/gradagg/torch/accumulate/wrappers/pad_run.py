@@ -52,7 +52,8 @@ class Padder(Protocol):
     zero_padding_loss: bool
     pad: Pad
     padding: bool
-    kept: tuple[tuple[Any, ...], dict[str, Any]] | None
+    kept: list[tuple[tuple[Any, ...], dict[str, Any]]] | None
+    fresh: bool
     failure: str | None
     agreed: Round | None
     done: bool
@@ -310,16 +311,22 @@ def buffers_kept(module: torch.nn.Module | None) -> Iterator[None]:
 
 
 def replay(state: State, sh: Padder) -> torch.Tensor:
-    """``pad="replay"``: the root module's last forward inputs run again, the output's floating tensors summed."""
+    """``pad="replay"``: every forward of this rank's last microbatch run again (the root module's inputs, in
+    order: each forward all-gathers, as the real microbatches' do), the outputs' floating tensors summed."""
     module = state.params.module
     if sh.kept is None or module is None:
         raise GradaggError(
             f"rank {state.rank}: pad='replay' has no forward inputs to replay (no forward through the "
             "module given to the accumulator ran on any rank); pass pad=fn"
         )
-    args, kwargs = _map(sh.kept, lambda t: t.detach())
-    out = module(*args, **kwargs)
-    parts = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+    parts: list[torch.Tensor] = []
+    for args, kwargs in _map(sh.kept, lambda t: t.detach()):
+        out = module(*args, **kwargs)
+        found = [t.float().sum() for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+        if not found:
+            parts = []
+            break
+        parts += found
     if not parts:
         raise GradaggError("pad='replay': the module's output holds no floating tensor with a gradient; pass pad=fn")
     return torch.stack(parts).sum()

@@ -20,9 +20,13 @@ Where a round is agreed:
   agreement), and ``finish()`` pads until no rank has one.
 
 The padding batch (``MicrobatchAccumulator(model, pad=...)``): a function ``fn()`` that runs a forward on a
-small batch and returns its loss; or ``"replay"`` (default): the root module's last forward inputs are run
-again, the output's floating tensors summed as the loss. A rank that ran no forward yet borrows the inputs of
-the lowest rank running a microbatch in that round (one ``all_gather_object``; the inputs are then kept).
+small batch and returns its loss; or ``"replay"`` (default): the inputs of every forward of the root module in
+this rank's last microbatch are run again, in order, the outputs' floating tensors summed as the loss. Each forward
+all-gathers (and its backward reduce-scatters): the padding must run as many forwards as the real microbatches of
+its round, so a loop whose microbatches run several forwards through the model (two halves, a policy and its
+reference in one module) must run the same number in every microbatch, and a ``pad=fn`` as many. A rank that
+ran no forward yet borrows the inputs of the lowest rank running a microbatch in that round (one
+``all_gather_object``; the inputs are then kept).
 ``None``: no padding; uneven counts raise GradaggError on every rank, before any FSDP collective
 of the round. The padding's forward must reach the same FSDP modules as the others' (not for data-dependent
 blocks: use ``fsdp="window"`` there). It runs in training mode, and counts nowhere: every buffer of the module
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _END = object()  # an exhausted iterator's marker (None may be an item)
 Pad = Callable[[], torch.Tensor] | Literal["replay"] | None
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""One forward's inputs to the root module: ``(args, kwargs)``."""
 """The padding batch: ``fn()`` returning a loss, ``"replay"`` (the last forward inputs), or None (no padding)."""
 
 
@@ -97,11 +103,13 @@ class Rounds:
 
     Attributes:
         rounds: whether the ranks agree on every microbatch and short ranks pad (a group of more than one rank).
-        pad, kept, padding, failure: the padding batch; the root module's last forward inputs ``(args, kwargs)``,
-            replayed by ``pad="replay"``; whether a padding microbatch is running (its gradients are dropped);
+        pad, kept, padding, failure: the padding batch; the root module's forward inputs ``(args, kwargs)`` of
+            this rank's last microbatch, one per forward (a loss of two forwards keeps two), replayed by
+            ``pad="replay"``; whether a padding microbatch is running (its gradients are dropped);
             a padding failure here, told at the next round.
         agreed, done, padded: this window's round agreed for the microbatch about to run; whether a round found no
             rank with a microbatch; the padding microbatches run here.
+        fresh: the root module's next forward is a new microbatch's first (``kept`` starts again).
     """
 
     opens_together = True  # each microbatch's round is agreed by every rank
@@ -110,7 +118,8 @@ class Rounds:
         self.rounds = get_world_size(group) > 1
         self.zero_padding_loss = zero_padding_loss
         self.pad, self.padding = pad, False
-        self.kept: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.kept: list[Inputs] | None = None
+        self.fresh = True  # the next forward of the root module is a new microbatch's first
         self.failure: str | None = None
         self.agreed: Round | None = None
         self.done, self.padded = False, 0
@@ -120,7 +129,7 @@ class Rounds:
         return rounds(state, self, items) if self.rounds else None  # type: ignore[arg-type]
 
     def after_microbatch(self, state: State) -> None:
-        self.agreed = None
+        self.agreed, self.fresh = None, True
 
     def explained(self, state: State, exc: BaseException) -> BaseException:
         return explained(state, self.agreed, exc)
@@ -230,7 +239,9 @@ def before_forward(state: State, sh: Padder, args: tuple[Any, ...], kwargs: dict
         return
     if not state.window.open:
         opening.open_window(state)
-    sh.kept = (args, kwargs)  # references only: this microbatch's inputs, replaced by the next one's
+    if sh.fresh or sh.kept is None:  # references only: this microbatch's inputs, replaced by the next one's
+        sh.kept, sh.fresh = [], False
+    sh.kept.append((args, kwargs))  # every forward of the microbatch: a padding replays as many
     if not sh.rounds:
         return
     if sh.agreed is None:
