@@ -1,5 +1,7 @@
 """FSDP2's ``MixedPrecisionPolicy`` together with ``torch.autocast``, in both of the accumulator's forms
-(``fsdp="shards"`` and ``"window"``), on 2 and 3 gloo ranks; workers in ``tests.torch.workers.mp_autocast``.
+(``fsdp="shards"`` and ``"window"``), on 2 and 3 gloo ranks; and autocast alone (bf16; fp16 with a GradScaler) in
+plain, DDP and FSDP2 loops on 3 ranks and under a clip that acts, which ``test_amp.py`` and ``test_amp_fsdp.py``
+(2 ranks, a clip far above the norm) leave out. Workers in ``tests.torch.workers.mp_autocast``.
 
 The policies: ``param_dtype`` bf16 with ``reduce_dtype`` float32 (torchtitan's), with ``reduce_dtype`` bf16, with
 ``output_dtype`` float32; ``param_dtype`` fp16 with a ``GradScaler`` and one window blown up on rank 1. Autocast
@@ -22,11 +24,15 @@ from tests.torch.workers import mp_autocast as mp
 
 CLIP = 0.45  # between the windows' true norms on 2 and on 3 ranks (asserted): some windows clipped, some not
 Case = mp.Case
+# autocast alone (float32 parameters, no policy): each layout in bf16 and in fp16 with a GradScaler, clipped
+ALONE: list[Case] = [(layout, precision, CLIP, precision == "fp16") for layout in ("plain", "ddp", *mp.FSDP_FORMS)
+                     for precision in ("bf16", "fp16")]
 CASES: dict[int, list[Case]] = {
-    2: [(form, policy, 0.0, policy.startswith("fp16")) for form in ("shards", "window") for policy in mp.POLICIES]
-    + [("shards", "bf16, reduce fp32", CLIP, False), ("window", "bf16, reduce fp32", CLIP, False)],
+    2: [(form, policy, 0.0, policy.startswith("fp16")) for form in mp.FSDP_FORMS for policy in mp.POLICIES]
+    + [("shards", "bf16, reduce fp32", CLIP, False), ("window", "bf16, reduce fp32", CLIP, False),
+       ("plain", "fp16", CLIP, True), ("ddp", "bf16", CLIP, False)],
     3: [("shards", "bf16, reduce fp32", CLIP, False), ("window", "bf16, reduce fp32", CLIP, False),
-        ("shards", "bf16, reduce bf16", 0.0, False), ("shards", "fp16, reduce fp32", 0.0, True)],
+        ("shards", "bf16, reduce bf16", 0.0, False), ("shards", "fp16, reduce fp32", 0.0, True), *ALONE],
 }
 # float32 sums of at most 12 microbatch gradients and one division, 2**-24 relative each: < 1e-6 (seen <= 1e-7)
 ADDED_FP32 = 1e-5
@@ -46,6 +52,11 @@ def added_bound(case: Case, world: int) -> float:
 
 def _precision(case: Case) -> str:
     return case[1][:4]
+
+
+def _kind(case: Case) -> list[str]:
+    """``.grad`` as each layout hands it out: a float32 DTensor shard under FSDP2, a float32 tensor otherwise."""
+    return ["DTensor torch.float32" if case[0] in mp.FSDP_FORMS else "Tensor torch.float32"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +79,8 @@ def _id(value: object) -> str:
 @pytest.mark.parametrize(("world", "case"), _params(), ids=_id)
 def test_policy_and_autocast_are_the_token_mean_within_the_round_off(worlds: dict[int, Any], world: int,
                                                                      case: Case) -> None:
-    """Every window (but the one that overflows under the scaler): a float32 DTensor ``.grad``, D = the window's
+    """Every window (but the one that overflows under the scaler): a float32 ``.grad`` (a DTensor under FSDP2), D = the
+    window's
     rows on every rank, a step taken, the same figures on every rank; what the accumulation adds within
     :func:`added_bound`; against the float64 token mean within autocast's bound (BOUND: 3e-2 bf16, 4e-3 fp16)
     wherever the floor itself is (one fp16 window of a single row whose output cancels, condition ~100, has a floor
@@ -82,7 +94,7 @@ def test_policy_and_autocast_are_the_token_mean_within_the_round_off(worlds: dic
         assert w["divisor"] == sum(len(x) for x in mp._batches(mp.COUNTS[world][window], window)), (window, w)
         if scaled and window == mp.OVERFLOW[0]:
             continue  # the next test
-        assert w["finite"] and w["stepped"] and w["grad_kinds"] == ["DTensor torch.float32"], (window, w)
+        assert w["finite"] and w["stepped"] and w["grad_kinds"] == _kind(case), (window, w)
         assert w["added"] <= added_bound(case, world), (window, w)
         assert w["error"] <= BOUND[precision] or w["floor"] > BOUND[precision], (window, w)
         assert w["naive"] > 5 * BOUND[precision], (window, w)

@@ -1,11 +1,13 @@
-"""Rank workers: FSDP2's ``MixedPrecisionPolicy`` and ``torch.autocast`` in one loop, both of the accumulator's forms.
+"""Rank workers: FSDP2's ``MixedPrecisionPolicy`` and ``torch.autocast`` in one loop, both of the accumulator's forms;
+and autocast alone (plain, DDP, FSDP2 with float32 parameters) on any number of ranks, with a clip that acts.
 
 The model, loss and float64 truth of :mod:`tests.torch.workers.amp` (two layers, a loss summed over rows and
 weighted by them), each layer and the root ``fully_shard``-ed with one policy: FSDP casts the float32 sharded
 parameters to ``param_dtype`` for the forward and backward, reduces in ``reduce_dtype``, and autocast of the same
-dtype wraps the forward. The microbatch counts are uneven, a rank with none in some windows, the last window
-short; per window the unscaled (and, where asked, clipped) gradient is compared with the float64 token mean of
-every rank's rows at the same parameters. With fp16, ``torch.amp.GradScaler``, and one window blown up on rank 1.
+dtype wraps the forward. Without a policy (``"bf16"``, ``"fp16"``) autocast alone lowers the compute. The
+microbatch counts are uneven, a rank with none in some windows, the last window short; per window the unscaled
+(and, where asked, clipped) gradient is compared with the float64 token mean of every rank's rows at the same
+parameters. With fp16, ``torch.amp.GradScaler``, and one window blown up on rank 1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradagg.torch import MicrobatchAccumulator
-from tests.torch.workers import amp, amp_fsdp
+from tests.torch.workers import amp
 
 # MixedPrecisionPolicy arguments by name; autocast runs in the policy's param_dtype
 POLICIES: dict[str, dict[str, torch.dtype]] = {
@@ -26,10 +28,11 @@ POLICIES: dict[str, dict[str, torch.dtype]] = {
     "bf16, output fp32": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.float32},
     "fp16, reduce fp32": {"param_dtype": torch.float16, "reduce_dtype": torch.float32},
 }
+FSDP_FORMS = ("shards", "window")  # a layout is one of these, "plain" or "ddp"
 # microbatches per rank, per window: a rank with none, the last window the shortest
 COUNTS = {2: ([3, 0], [1, 2], [2, 1], [0, 1]), 3: ([3, 0, 1], [1, 2, 0], [0, 1, 2], [1, 0, 0])}
 OVERFLOW = (2, 1)  # (window, rank) whose loss is blown up past fp16's range under a GradScaler
-Case = tuple[str, str, float, bool]  # form, policy, clip (0: none), scaled
+Case = tuple[str, str, float, bool]  # layout, policy (or "bf16", "fp16": autocast alone), clip (0: none), scaled
 
 
 def _batches(counts: list[int], window: int) -> list[torch.Tensor]:
@@ -88,13 +91,18 @@ def floor(twin: nn.Module, counts: list[int], window: int, dtype: torch.dtype,
     return {n: t / rows for n, t in exact.items()}, {n: t.double() / rows for n, t in lossy.items()}
 
 
-def _sharded(policy: str) -> nn.Module:
+def _built(layout: str, policy: str) -> nn.Module:
+    """The model as ``layout`` wraps it: plain, DDP, or FSDP2 with ``policy`` (none for autocast alone)."""
+    if layout == "plain":
+        return amp._model()
+    if layout == "ddp":
+        return nn.parallel.DistributedDataParallel(amp._model())
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = amp._model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    spec = POLICIES[policy]
+    spec = POLICIES.get(policy, {})
     inner = MixedPrecisionPolicy(**{k: v for k, v in spec.items() if k != "output_dtype"})  # type: ignore[arg-type]
     for layer in (model[0], model[2]):  # inner layers feed the compute dtype on; only the root casts its output
         fully_shard(layer, mesh=mesh, mp_policy=inner)
@@ -114,19 +122,20 @@ def mp_autocast_world(cases: list[Case]) -> list[list[dict[str, Any]]]:
     return out
 
 
-def mp_autocast_case(form: str, policy: str, clip: float = 0.0, scaled: bool = False) -> list[dict[str, Any]]:
+def mp_autocast_case(layout: str, policy: str, clip: float = 0.0, scaled: bool = False) -> list[dict[str, Any]]:
     """Per window: the gradient's relative error (norm) and max-abs error in eps S (eps the compute dtype's, S the
     largest |truth|) against the float64 token mean, clipped to ``clip`` as torch clips when ``clip`` > 0; the
     truth's norm; D; what ``.grad`` is; whether the step ran; the scale; the usual weighting's relative error."""
     rank, counts = dist.get_rank(), COUNTS[dist.get_world_size()]
-    dtype = POLICIES[policy]["param_dtype"]
-    model = _sharded(policy)
-    acc = MicrobatchAccumulator(model, fsdp=form)  # type: ignore[arg-type]
+    dtype = POLICIES[policy]["param_dtype"] if policy in POLICIES else amp.DTYPES[policy]
+    model = _built(layout, policy)
+    form: dict[str, Any] = {"fsdp": layout} if layout in FSDP_FORMS else {}
+    acc = MicrobatchAccumulator(model, **form)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if scaled else None
     out = []
     for window in range(len(counts)):
-        twin = amp_fsdp._full(model)
+        twin = _full(model)
         want = truth(twin, counts[window], window)
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         low, lossy = floor(twin, counts[window], window, dtype, scale)
@@ -145,7 +154,7 @@ def mp_autocast_case(form: str, policy: str, clip: float = 0.0, scaled: bool = F
                        naive=amp._relative(naive(twin, counts[window], window), want))  # type: ignore[arg-type]
         amp.step(opt, scaler)
         out[-1]["scale"] = None if scaler is None else float(scaler.get_scale())  # after the scaler's update
-        after = amp_fsdp._full(model)
+        after = _full(model)
         out[-1]["stepped"] = any(not torch.equal(a, b) for a, b in zip(twin.parameters(), after.parameters()))
     acc.close()
     return out
@@ -161,7 +170,7 @@ def _measure(model: nn.Module, want: dict[str, torch.Tensor], low: dict[str, tor
         coef = clip / (sum(float(t.pow(2).sum()) for t in low.values()) ** 0.5 + 1e-6)
         low = {n: t * min(1.0, coef) for n, t in low.items()}
         want = {n: t * min(1.0, clip / (norm + 1e-6)) for n, t in want.items()}  # torch's coefficient
-    got = amp_fsdp._grads(model)
+    got = _grads(model)
     finite = all(g is None or bool(g.isfinite().all()) for g in got.values())
     scale = torch.finfo(dtype).eps * max(float(t.abs().max()) for t in want.values())
     return {
@@ -171,3 +180,21 @@ def _measure(model: nn.Module, want: dict[str, torch.Tensor], low: dict[str, tor
         "added": amp._relative(got, low) if finite else float("nan"),
         "finite": finite, "norm": norm, "grad_kinds": kinds,
     }
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _full(model: nn.Module) -> nn.Module:
+    """A plain float32 twin holding ``model``'s full parameters (for FSDP2 a collective: every rank calls it)."""
+    twin = amp._model()
+    twin.load_state_dict({n: getattr(p, "full_tensor", p.detach)().detach().clone()
+                          for n, p in _inner(model).named_parameters()})
+    return twin
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every gradient as a float64 full tensor, ``None`` where absent (for FSDP2 a collective)."""
+    return {n: None if p.grad is None else getattr(p.grad, "full_tensor", p.grad.detach)().double()
+            for n, p in _inner(model).named_parameters()}
