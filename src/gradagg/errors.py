@@ -97,6 +97,11 @@ class ScriptError(ContractError):
     """A user's script cannot be used for a parity check (a missing function, a bad layout)."""
 
 
+class PrecisionWarning(UserWarning):
+    """A setting under which gradagg's result is exact only within a lower precision's round-off than the window's
+    float32 sums (named, with the setting that keeps them): warned once, at construction."""
+
+
 def short_repr(value: object) -> str:
     """``repr(value)`` for a message, cut to 80 characters.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from gradagg.testing import run_local_world
 from tests.torch.accumulate.test_amp import BOUND, WORLD
@@ -132,3 +133,35 @@ def test_the_checks_see_the_clip_and_a_low_precision_sum(worlds: dict[int, Any],
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """The same figures on two ranks (NaN equal to NaN: the window that overflowed)."""
     return all(a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]) for k in a)
+
+
+def test_a_bf16_reduce_in_the_shards_form_is_warned_at_construction() -> None:
+    """Only the shards form with a policy that reduces in bf16 warns (one PrecisionWarning naming the dtype, the
+    ranks and both settings that keep float32's round-off, at the caller's line); the window form, and a float32
+    reduce, do not."""
+    ranks = run_local_world(mp.warned_world, 2, **WORLD)
+    for got in ranks:
+        warned = {case: msgs for case, msgs in got.items() if msgs}
+        assert list(warned) == ["shards: bf16, reduce bf16"], got
+        (msg,) = warned["shards: bf16, reduce bf16"]
+        assert msg.startswith("mp_autocast.py: fsdp='shards'"), msg
+        assert "torch.bfloat16" in msg and "over the 2 ranks" in msg, msg
+        assert "reduce_dtype=torch.float32" in msg and "fsdp='window'" in msg, msg
+
+
+def test_the_reduce_dtype_is_read_where_torch_keeps_it_and_none_elsewhere() -> None:
+    """The private path (``_get_fsdp_state()._mp_policy``) with its fallback: a module without it gives None (no
+    warning), param_dtype stands in for an unset reduce_dtype, a float32 reduce is not low."""
+    from types import SimpleNamespace
+
+    from gradagg.torch.accumulate.wrappers.fsdp import reduce_dtype
+
+    def module(**policy: Any) -> Any:
+        state = SimpleNamespace(_mp_policy=SimpleNamespace(**{"reduce_dtype": None, "param_dtype": None, **policy}))
+        return SimpleNamespace(_get_fsdp_state=lambda: state)
+
+    assert reduce_dtype([object()]) is None
+    assert reduce_dtype([module()]) is None
+    assert reduce_dtype([module(param_dtype=torch.bfloat16)]) is torch.bfloat16
+    assert reduce_dtype([module(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)]) is None
+    assert reduce_dtype([module(), module(reduce_dtype=torch.float16)]) is torch.float16

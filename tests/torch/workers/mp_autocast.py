@@ -198,3 +198,30 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Every gradient as a float64 full tensor, ``None`` where absent (for FSDP2 a collective)."""
     return {n: None if p.grad is None else getattr(p.grad, "full_tensor", p.grad.detach)().double()
             for n, p in _inner(model).named_parameters()}
+
+
+def warned_world() -> dict[str, list[str]]:
+    """Per (form, policy): the PrecisionWarnings ``MicrobatchAccumulator`` gave at construction, with the file and
+    line they name (the caller's, here)."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from gradagg.errors import PrecisionWarning
+
+    out: dict[str, list[str]] = {}
+    for form in FSDP_FORMS:
+        for name, policy in POLICIES.items():
+            model = amp._model()
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy))
+            fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                acc = MicrobatchAccumulator(model, fsdp=form)  # type: ignore[arg-type]
+            out[f"{form}: {name}"] = [f"{w.filename.rsplit('/', 1)[-1]}: {w.message}" for w in caught
+                                      if issubclass(w.category, PrecisionWarning)]
+            acc.close()
+    return out
