@@ -23,10 +23,18 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
   for the fit and removed after), or from ``weight=fn``; its value is taken when it is given (a tensor is copied:
   one count tensor updated in place by every ``training_step`` counts each batch's own value).
 
+* ``on_train_batch_start`` of a window's first batch zeroes the gradients (``optimizer.zero_grad()``), as
+  Lightning does on the same batches but only after the forward: under FSDP1 the window opens in the root's
+  forward (its ranks agree the round before FSDP1's all-gather), where the last step's gradients would still be
+  there and be refused as stale.
+
 Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``, and keeps its buffer
-broadcast itself: one from rank 0 per window, in ``finish()``) and
-``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2). Lightning is imported
-only when this module is.
+broadcast itself: one from rank 0 per window, in ``finish()``),
+``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2) and ``FSDPStrategy``
+(FSDP1's shards form, on the root Lightning builds; Lightning refuses its own norm clip there: clip with the root's
+``clip_grad_norm_`` in ``configure_gradient_clipping``). The ranks run as many batches as each other (Lightning
+broadcasts from rank 0 at every batch); a rank with nothing to count gives weight 0. Lightning is imported only
+when this module is.
 """
 
 from __future__ import annotations
@@ -86,6 +94,12 @@ class ExactAccumulation(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # Lightning zeroes the last step's gradients after this batch's forward (its closure runs
+            # training_step, zero_grad, backward); a wrapper whose forward is a collective (FSDP1) opens the window
+            # before that forward, where those gradients would be refused as stale. Zeroed here, as Lightning would
+            # a moment later, on the same batches (Lightning's rule: the first of each window)
+            trainer.optimizers[0].zero_grad()
         self._weight = None if self._weight_fn is None else _taken(self._weight_fn(batch, batch_idx))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
