@@ -139,7 +139,8 @@ def test_lightnings_bf16_switch_is_exact_within_the_round_off(world: dict[str, A
 # subclass that lifts the refusal and gives FSDP1 device_id=cpu (see workers/lightning_fsdp1.py). Clipped by
 # FSDP1's own clip_grad_norm_ in configure_gradient_clipping: Lightning's norm clip refuses this strategy.
 FSDP1_CASES = [("exact", True, CLIP, "none"), ("exact", False, None, "even"), ("native", True, None, "even"),
-               ("lightning-clip", True, CLIP, "even"), ("exact", True, CLIP, "even-bf16")]
+               ("lightning-clip", True, CLIP, "even"), ("exact", True, CLIP, "even-bf16"),
+               ("exact", True, None, "uneven")]
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,12 @@ def test_fsdp_strategys_bf16_switch_is_exact_within_the_round_off(world_fsdp1: d
     assert case["param_dtype"] == "torch.bfloat16", case
     assert len(case["errors"]) == 4 and max(case["errors"]) < BF16_TOLERANCE, case
     assert min(case["errors"]) > 1e-5, case  # bf16's round-off is there: the switch acted (float32 stays below 1e-6)
+
+
+def test_ranks_with_different_numbers_of_batches_are_refused(world_fsdp1: dict[str, Any]) -> None:
+    """Rank 0 with 5 batches per epoch, rank 1 with 4: Lightning broadcasts at every batch and each finish() is a
+    collective, so the run would meet a gloo timeout (it did, before this refusal); refused on every rank before the
+    epoch's first batch, naming both counts."""
+    error = world_fsdp1["exact/True/None/uneven"]["error"]
+    assert error.startswith("GradaggError: ExactAccumulation: the ranks would run different numbers of batches in "
+                            "epoch 0 (rank 0: 5, rank 1: 4)"), error

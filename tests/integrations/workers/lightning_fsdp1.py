@@ -26,9 +26,10 @@ norm under this strategy is the module's ``configure_gradient_clipping`` calling
 Plans: "even" is Lightning's DistributedSampler (5 microbatches per rank per epoch: windows of 3 and 2, token
 counts that differ per rank and microbatch); "none" turns the sampler off and gives rank 1, in the short window of
 each epoch, two microbatches whose labels are all -100 (weight 0: that rank has no tokens in the window). The ranks
-run as many microbatches as each other in every plan: Lightning itself broadcasts from rank 0 at every training
-batch (its SIGTERM check, ``_broadcast_sigterm_tensor``), so a rank that ran more batches than another would
-desynchronise the collectives under any strategy. Each step's gradient is read back as an SGD step of rate 1
+run as many microbatches as each other in every plan but "uneven" (5 and 4, refused by the callback before the
+first batch): Lightning itself broadcasts from rank 0 at every training batch (its SIGTERM check,
+``_broadcast_sigterm_tensor``), so a rank that ran more batches than another would desynchronise the collectives
+under any strategy (without the refusal, a gloo timeout). Each step's gradient is read back as an SGD step of rate 1
 (parameters at the window's start minus after the step, summoned whole: FSDP1 holds shards) and compared, on
 rank 0, with the float64 one-process token mean of the sequences the step consumed on both ranks (:mod:`.steps`).
 """
@@ -50,13 +51,14 @@ PREFIX = "_fsdp_wrapped_module."
 # the shared sequences, then unlabelled copies of 16..19 (every label -100: no token counts)
 SEQS = st.SEQS + [{"input_ids": s["input_ids"], "labels": [-100] * len(s["labels"])} for s in st.SEQS[16:]]
 NONE = {0: list(range(10)), 1: [*range(10, 16), *range(20, 24)]}  # rank 1's last two microbatches count nothing
+UNEVEN = {0: list(range(10)), 1: list(range(10, 18))}  # 5 and 4 microbatches per epoch: refused
 
 
 def lightning_fsdp1_world(cases: list[tuple[str, bool, float | None, str]]) -> dict[str, Any]:
     """Each ``(loop, use_orig_params, clip, plan)``: loop "exact" (ExactAccumulation, ``{"loss", "weight"}``) or
     "native" (no callback, the model's mean loss) or "lightning-clip" (ExactAccumulation, Lightning's own norm clip:
-    refused by Lightning); plan "even" or "none", with ``-bf16`` for Lightning's ``precision="bf16-mixed"``. The
-    step errors and what was built, or the refusal."""
+    refused by Lightning); plan "even", "none" or "uneven" (refused by the callback), with ``-bf16`` for Lightning's
+    ``precision="bf16-mixed"``. The step errors and what was built, or the refusal."""
     st.launcher_env()
     return {f"{loop}/{orig}/{clip}/{plan}": _case(loop, orig, clip, plan) for loop, orig, clip, plan in cases}
 
@@ -151,7 +153,7 @@ def _full(root: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _loader(plan: str) -> torch.utils.data.DataLoader[Any]:
-    data: Any = NONE[dist.get_rank()] if plan == "none" else st.Indexed()
+    data: Any = {"none": NONE, "uneven": UNEVEN}[plan][dist.get_rank()] if plan in ("none", "uneven") else st.Indexed()
     return torch.utils.data.DataLoader(data, batch_size=st.PER_MICROBATCH, collate_fn=_collate)
 
 
@@ -174,13 +176,14 @@ def _case(loop: str, orig: bool, clip: float | None, plan: str) -> dict[str, Any
                          accumulate_grad_batches=st.STEPS, gradient_clip_val=clip,
                          callbacks=[] if loop == "native" else [ExactAccumulation()],
                          precision="bf16-mixed" if plan.endswith("-bf16") else "32-true",
-                         use_distributed_sampler=plan != "none", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                         use_distributed_sampler=plan not in ("none", "uneven"), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0)
     module = _module(loop, orig, rec)
     try:
         trainer.fit(module, _loader(plan))
-    except Exception as exc:  # the refusal under test (loop "lightning-clip"), raised on every rank
-        if loop != "lightning-clip":
+    except Exception as exc:  # the refusals under test (loop "lightning-clip", plan "uneven"), on every rank
+        if loop != "lightning-clip" and plan != "uneven":
             raise
         return {"error": f"{type(exc).__name__}: {exc}"}
     result = st.step_errors(rec, clip, SEQS)
