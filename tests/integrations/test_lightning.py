@@ -133,3 +133,64 @@ def test_lightnings_bf16_switch_is_exact_within_the_round_off(world: dict[str, A
     assert len(ours) == 4 and max(ours) < BF16_TOLERANCE, ours
     assert min(ours) > 1e-5, ours  # bf16's round-off is there: the switch acted (float32 stays below 1e-6)
     assert min(native) > 0.2, native
+
+
+# Lightning's FSDPStrategy (FSDP1), refused by Lightning on a CPU: built by Lightning's own _setup_model through a
+# subclass that lifts the refusal and gives FSDP1 device_id=cpu (see workers/lightning_fsdp1.py). Clipped by
+# FSDP1's own clip_grad_norm_ in configure_gradient_clipping: Lightning's norm clip refuses this strategy.
+FSDP1_CASES = [("exact", True, CLIP, "none"), ("exact", False, None, "even"), ("native", True, None, "even"),
+               ("lightning-clip", True, CLIP, "even"), ("exact", True, CLIP, "even-bf16"),
+               ("exact", True, None, "uneven")]
+
+
+@pytest.fixture(scope="module")
+def world_fsdp1() -> dict[str, Any]:
+    from tests.integrations.workers import lightning_fsdp1
+
+    return run_local_world(lightning_fsdp1.lightning_fsdp1_world, 2, FSDP1_CASES, timeout_s=240.0,
+                           collective_timeout_s=30.0, preload=["torch._dynamo"])[0]
+
+
+def test_fsdp_strategy_is_the_full_batch_token_mean(world_fsdp1: dict[str, Any]) -> None:
+    """FSDPStrategy as Lightning builds it (FSDP1 root over the LightningModule, one unit per decoder layer,
+    FULL_SHARD): with ExactAccumulation, use_orig_params True (Lightning's default, clipped by FSDP1's clip, rank 1
+    with no tokens in each epoch's short window) and False (unclipped), every step the float64 token mean of the
+    sequences it consumed (float32 round-off, as the DDP cases: below 1e-5); Lightning's own accumulation on the
+    same FSDP1 model is off by its weighting (a mean of microbatch means, the short window divided by 3)."""
+    for loop, orig, clip, plan in FSDP1_CASES[:3]:
+        case = world_fsdp1[f"{loop}/{orig}/{clip}/{plan}"]
+        built = (case["model"], case["units"], case["strategy"], case["orig"], case["device"])
+        assert built == ("FullyShardedDataParallel", 3, "FULL_SHARD", orig, "cpu"), case
+        assert case["sequences"] == [12, 8, 12, 8], case
+        if loop == "exact":
+            assert len(case["errors"]) == 4 and max(case["errors"]) < TOLERANCE, case
+        else:
+            assert min(case["errors"]) > 0.2, case
+    clipped = world_fsdp1[f"exact/True/{CLIP}/none"]
+    assert min(clipped["true_norms"]) < CLIP < max(clipped["true_norms"]), clipped  # one step unclipped, the rest not
+
+
+def test_lightnings_norm_clip_refuses_the_fsdp_strategy(world_fsdp1: dict[str, Any]) -> None:
+    """Lightning's own gradient_clip_val (norm) under FSDPStrategy raises in Lightning (FSDPPrecision), on a GPU as
+    here: what the tutorial says to use instead, FSDP1's clip_grad_norm_, is what the exact case above runs."""
+    error = world_fsdp1[f"lightning-clip/True/{CLIP}/even"]["error"]
+    assert error.startswith("MisconfigurationException: `gradient_clip_algorithm='norm'` is currently not"), error
+
+
+def test_fsdp_strategys_bf16_switch_is_exact_within_the_round_off(world_fsdp1: dict[str, Any]) -> None:
+    """precision="bf16-mixed" under FSDPStrategy: FSDP1's MixedPrecision(bf16) computes and reduces each
+    microbatch in bf16 (on a GPU Lightning also enters torch.autocast("cuda"), which does nothing on a CPU), the
+    window's sum kept in float32: every (clipped) step within bf16's round-off of the float64 truth."""
+    case = world_fsdp1[f"exact/True/{CLIP}/even-bf16"]
+    assert case["param_dtype"] == "torch.bfloat16", case
+    assert len(case["errors"]) == 4 and max(case["errors"]) < BF16_TOLERANCE, case
+    assert min(case["errors"]) > 1e-5, case  # bf16's round-off is there: the switch acted (float32 stays below 1e-6)
+
+
+def test_ranks_with_different_numbers_of_batches_are_refused(world_fsdp1: dict[str, Any]) -> None:
+    """Rank 0 with 5 batches per epoch, rank 1 with 4: Lightning broadcasts at every batch and each finish() is a
+    collective, so the run would meet a gloo timeout (it did, before this refusal); refused on every rank before the
+    epoch's first batch, naming both counts."""
+    error = world_fsdp1["exact/True/None/uneven"]["error"]
+    assert error.startswith("GradaggError: ExactAccumulation: the ranks would run different numbers of batches in "
+                            "epoch 0 (rank 0: 5, rank 1: 4)"), error

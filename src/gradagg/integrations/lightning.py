@@ -23,10 +23,18 @@ divided by their total weight, clipped by Lightning on that gradient. How, throu
   for the fit and removed after), or from ``weight=fn``; its value is taken when it is given (a tensor is copied:
   one count tensor updated in place by every ``training_step`` counts each batch's own value).
 
+* ``on_train_batch_start`` of a window's first batch zeroes the gradients (``optimizer.zero_grad()``), as
+  Lightning does on the same batches but only after the forward: under FSDP1 the window opens in the root's
+  forward (its ranks agree the round before FSDP1's all-gather), where the last step's gradients would still be
+  there and be refused as stale.
+
 Strategies: single device, ``DDPStrategy`` (the accumulator keeps DDP in ``no_sync``, and keeps its buffer
-broadcast itself: one from rank 0 per window, in ``finish()``) and
-``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2). Lightning is imported
-only when this module is.
+broadcast itself: one from rank 0 per window, in ``finish()``),
+``ModelParallelStrategy`` with ``fully_shard`` applied in ``configure_model`` (FSDP2) and ``FSDPStrategy``
+(FSDP1's shards form, on the root Lightning builds; Lightning refuses its own norm clip there: clip with the root's
+``clip_grad_norm_`` in ``configure_gradient_clipping``). The ranks run as many batches as each other (Lightning
+broadcasts from rank 0 at every batch), refused otherwise at each epoch's start; a rank with nothing to count gives
+weight 0. Lightning is imported only when this module is.
 """
 
 from __future__ import annotations
@@ -53,8 +61,9 @@ class ExactAccumulation(Callback):
         **options: passed to :class:`~gradagg.torch.MicrobatchAccumulator` (``nonfinite``, ``bucket_mb``, ...).
 
     Raises:
-        GradaggError: at fit start, manual optimisation or more than one optimizer; during the fit, a
-            ``training_step`` output without a ``"weight"`` (and no ``weight=fn``).
+        GradaggError: at fit start, manual optimisation or more than one optimizer; at an epoch's start, ranks
+            with different numbers of batches (on every rank); during the fit, a ``training_step`` output without a
+            ``"weight"`` (and no ``weight=fn``).
     """
 
     def __init__(self, weight: WeightFn | None = None, **options: Any) -> None:
@@ -84,8 +93,17 @@ class ExactAccumulation(Callback):
         if self._weight_fn is None:
             _wrap_training_step(pl_module, self._take_output)
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _check_even_batches(trainer)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_idx = batch_idx
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # Lightning zeroes the last step's gradients after this batch's forward (its closure runs
+            # training_step, zero_grad, backward); a wrapper whose forward is a collective (FSDP1) opens the window
+            # before that forward, where those gradients would be refused as stale. Zeroed here, as Lightning would
+            # a moment later, on the same batches (Lightning's rule: the first of each window)
+            trainer.optimizers[0].zero_grad()
         self._weight = None if self._weight_fn is None else _taken(self._weight_fn(batch, batch_idx))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -141,6 +159,32 @@ def _check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
     if len(trainer.optimizers) != 1:
         raise GradaggError(f"ExactAccumulation supports one optimizer; configure_optimizers gave "
                            f"{len(trainer.optimizers)}")
+
+
+def _check_even_batches(trainer: Trainer) -> None:
+    """Refuse, on every rank, an epoch whose ranks would run different numbers of batches.
+
+    Lightning broadcasts from rank 0 at every training batch (its SIGTERM check), under every strategy, and each
+    window's ``finish()`` is a collective: a rank with a batch more would meet the others' next collectives, and
+    the run would hang until the collective timeout. The ranks' counts (``num_training_batches``, from each rank's
+    own loader) are gathered once per epoch, before its first batch, which every rank reaches.
+
+    Raises:
+        GradaggError: on every rank, naming each rank's batches.
+    """
+    from gradagg.torch.collectives import all_gather_object, get_world_size
+
+    if get_world_size() < 2:
+        return
+    every = all_gather_object(trainer.num_training_batches)
+    if len(set(every)) > 1:  # numbers: ints, or inf for a loader without a length
+        counts = ", ".join(f"rank {r}: {n}" for r, n in enumerate(every))
+        raise GradaggError(
+            f"ExactAccumulation: the ranks would run different numbers of batches in epoch {trainer.current_epoch} "
+            f"({counts}): Lightning broadcasts from rank 0 at every batch and each window's finish() is a "
+            "collective, so a rank with a batch more would meet the others' next ones; give every rank as many "
+            "batches (Lightning's DistributedSampler does), a rank with nothing to count batches of weight 0"
+        )
 
 
 def _taken(weight: object) -> object:

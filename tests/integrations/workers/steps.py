@@ -87,8 +87,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full.detach().clone()
 
 
-def step_errors(rec: Recorder, clip: float | None) -> dict[str, Any]:
-    """On every rank: each step's relative error against the truth (computed on rank 0), and the true norms."""
+def step_errors(rec: Recorder, clip: float | None, seqs: Sequence[dict[str, list[int]]] = SEQS) -> dict[str, Any]:
+    """On every rank: each step's relative error against the truth (computed on rank 0), and the true norms;
+    ``seqs``: the sequences the recorded indices name."""
     every: list[list[list[int]]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, rec.indices)
     if dist.get_rank() != 0:
@@ -96,18 +97,18 @@ def step_errors(rec: Recorder, clip: float | None) -> dict[str, Any]:
     errors, norms, sizes = [], [], []
     for s, (start, grads) in enumerate(zip(rec.starts, rec.grads, strict=True)):
         consumed = sorted(i for rank_steps in every for i in rank_steps[s])
-        want, norm = _truth(start, consumed, clip)
+        want, norm = _truth(start, [seqs[i] for i in consumed], clip)
         errors.append(tl.relative_error(grads, want))
         norms.append(norm)
         sizes.append(len(consumed))
     return {"errors": errors, "true_norms": norms, "sequences": sizes}
 
 
-def _truth(start: dict[str, torch.Tensor], consumed: list[int], clip: float | None
+def _truth(start: dict[str, torch.Tensor], consumed: list[dict[str, list[int]]], clip: float | None
            ) -> tuple[dict[str, torch.Tensor], float]:
     m = tl.model(0)
     m.load_state_dict(start)
-    want = tl.truth(m, [SEQS[i] for i in consumed])
+    want = tl.truth(m, consumed)
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want.values()])))
     if clip is not None:
         coef = min(1.0, clip / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
