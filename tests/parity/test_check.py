@@ -380,3 +380,30 @@ def test_a_mean_loss_given_a_weight_is_named_first() -> None:
     (o,) = report.observations
     assert not o["passed"] and o["ratio"] is None, o
     assert "(a mean loss given weight=n, divided twice" in o["diagnosis"], o
+
+
+# --- FSDP1 ----------------------------------------------------------------------------------------
+
+
+def test_fsdp1_pieces_are_put_together_and_compared() -> None:
+    """FSDP1 with use_orig_params=True leaves each rank a 1-d piece of each gradient (empty on some ranks; .grad
+    None there): parity concatenates the ranks' pieces and finds gradagg's step right on uneven counts and a rank
+    with none; FSDP1's own recipe (a mean of the ranks' token means) fails on the uneven split, by its weighting."""
+    pytest.importorskip("torch.distributed.fsdp")
+    layouts = [(8,), (4, 4), (1, 7), (0, 8)]
+    report = check_parity(_fixture("fsdp1_token_mean"), layouts, **FAST)
+    assert report.passed, report.observations
+    assert all(o["actual"] <= ROUND_OFF_64 for o in report.observations)
+    wrong = check_parity(_fixture("fsdp1_mean_of_rank_means"), [(8,), (4, 4)], **FAST)
+    assert [o["passed"] for o in wrong.observations] == [True, False], wrong.observations
+    assert 0.01 < wrong.observations[1]["actual"] < 1, wrong.observations
+
+
+def test_fsdp1_flat_parameters_are_named_not_misread() -> None:
+    """use_orig_params=False: every parameter fails on two ranks with one sentence naming FSDP1's flat parameters
+    and use_orig_params=True, not a misleading "no parameter" or shape error."""
+    pytest.importorskip("torch.distributed.fsdp")
+    report = check_parity(_fixture("fsdp1_flat_params"), [(4, 4)], **FAST)
+    (obs,) = report.observations
+    assert not obs["passed"], obs
+    assert "use_orig_params=True" in obs["diagnosis"] and "flat parameter" in obs["diagnosis"], obs

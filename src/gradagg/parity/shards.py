@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from gradagg.parity.types import Piece, Unread
+from gradagg.parity.types import FlatPiece, Piece, Unread
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +54,8 @@ def piece_of(grad: Any) -> Piece:
 
 
 def assemble(results: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Replace every :class:`Piece` by the whole tensor its rank's DTensor stands for, or by an Unread.
+    """Replace every :class:`Piece` by the whole tensor its rank's DTensor stands for, or by an Unread (and every
+    :class:`FlatPiece` by its FSDP1 gradient's whole, :func:`gradagg.parity.fsdp1.whole`).
 
     Args:
         results: rank -> parameter name -> a gradient (tensor, Piece, or None), for the ranks that returned.
@@ -69,8 +70,18 @@ def assemble(results: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, An
     >>> assemble({r: {"bias": halves[r]} for r in (0, 1)})[0]["bias"]
     tensor([1., 2.])
     """
-    return {rank: {name: _whole(name, rank, g, results) if isinstance(g, Piece) else g for name, g in grads.items()}
+    return {rank: {name: _assembled(name, rank, g, results) for name, g in grads.items()}
             for rank, grads in results.items()}
+
+
+def _assembled(name: str, rank: int, g: Any, results: Mapping[int, Mapping[str, Any]]) -> Any:
+    if isinstance(g, Piece):
+        return _whole(name, rank, g, results)
+    if isinstance(g, FlatPiece):
+        from gradagg.parity.fsdp1 import whole
+
+        return whole(name, g, results)
+    return g
 
 
 def _whole(name: str, rank: int, piece: Piece, results: Mapping[int, Mapping[str, Any]]) -> torch.Tensor | Unread:

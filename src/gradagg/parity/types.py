@@ -104,6 +104,25 @@ class Piece:
 
 
 @dataclass
+class FlatPiece:
+    """One rank's piece of an FSDP1 gradient (``use_orig_params=True``): FSDP1 flattens the parameters of a unit
+    into one flat parameter, shards it in consecutive pieces over its group in rank order, and leaves each original
+    parameter (and its ``.grad``) the 1-d part of itself that falls in this rank's piece (empty on some ranks).
+
+    Attributes:
+        local: this rank's part of the gradient (a CPU copy), or None where ``.grad`` is None here.
+        size: the parameter's part here, in elements (0: none of it on this rank).
+        shape: the whole parameter's shape (read before ``prepare`` wrapped the model).
+        group: the global ranks of the FSDP1 unit's group, in its order (one replica under the hybrid strategies).
+    """
+
+    local: torch.Tensor | None
+    size: int
+    shape: tuple[int, ...]
+    group: tuple[int, ...]
+
+
+@dataclass
 class RankResult:
     """What one rank hands back.
 
@@ -113,7 +132,8 @@ class RankResult:
         model_digest: digest of the model ``build_model()`` gave on this rank, before ``prepare``.
         window_digest: digest of the window ``microbatches()`` gave on this rank.
         grads: parameter name -> gradient after ``step`` (None: no gradient; a :class:`Piece`: this rank's
-            shard of a DTensor), in ``named_parameters()`` order.
+            shard of a DTensor; a :class:`FlatPiece`: this rank's piece of an FSDP1 gradient; an :class:`Unread`:
+            what cannot be read), in ``named_parameters()`` order.
         computes_in: the lowest-precision dtype ``torch.autocast`` ran the step's operations in (``"torch.bfloat16"``);
             "" where autocast was off.
     """
@@ -122,7 +142,7 @@ class RankResult:
     failure: str | None = None
     model_digest: dict[str, str] = field(default_factory=dict)
     window_digest: str = ""
-    grads: dict[str, torch.Tensor | Piece | None] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor | Piece | FlatPiece | Unread | None] = field(default_factory=dict)
     computes_in: str = ""
 
 

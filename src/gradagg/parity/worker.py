@@ -4,7 +4,8 @@
 function, so that each rank can import it by name). It imports SCRIPT.py from its path, builds the
 model, lets ``prepare`` wrap it, runs ``step`` on this rank's consecutive slice of the window and
 reads every parameter's gradient by name from the model that ``build_model()`` returned: a DTensor's
-as this rank's shard (:func:`gradagg.parity.shards.piece_of`), put together in the checking process.
+as this rank's shard (:func:`gradagg.parity.shards.piece_of`), an FSDP1 parameter's as this rank's piece
+(:mod:`gradagg.parity.fsdp1`), put together in the checking process.
 
 A failure in the user's code is caught and returned, so the rank exits at once: a peer waiting
 for it in a collective then fails fast (its connection closes) instead of waiting out the timeout.
@@ -20,6 +21,7 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any
 
+from gradagg.parity import fsdp1
 from gradagg.parity.digest import data_digest, model_digest
 from gradagg.parity.layouts import rank_slice
 from gradagg.parity.precision import DtypesSeen
@@ -98,6 +100,7 @@ def _run(path: str, layout: Layout, size: int | None, cwd: str) -> RankResult:
         with user_state(cwd):
             model = script.module.build_model()
         result.model_digest = model_digest(model)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # FSDP1 flattens them
         phase = "prepare()"
         wrapped = _prepared(script.module, model, cwd) if script.has_prepare else model
         phase = "step()"
@@ -106,7 +109,9 @@ def _run(path: str, layout: Layout, size: int | None, cwd: str) -> RankResult:
             script.module.step(wrapped, window[rank_slice(layout, rank)])
         result.computes_in = autocast.lowest()
         phase = "reading the gradients"  # locally: a DTensor's shard, not full_tensor() (a collective)
-        result.grads = {name: _read(p) for name, p in model.named_parameters()}
+        unit = fsdp1.fsdp1_in(wrapped)
+        result.grads = (dict(fsdp1.read(model, unit, shapes)) if unit is not None
+                        else {name: _read(p) for name, p in model.named_parameters()})
     except BaseException as exc:  # SystemExit and KeyboardInterrupt too: whatever stops the user's code
         result.failure = f"{phase} raised {describe(exc)}{_where(exc, path)}"
     return result

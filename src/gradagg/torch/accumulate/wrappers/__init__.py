@@ -90,7 +90,8 @@ def _fsdp1(params: Params, mode: str, pad: Pad, group: Group, span: Span) -> Cho
     strategies over ``group`` (the whole data-parallel world FSDP1 averages over)."""
     roots = params.fsdp1
     own = getattr(roots[0], "process_group", None)
-    hybrid = params.module is not None and fsdp1.hybrid(params.module)  # FSDP1 averages over the whole world then
+    # the hybrid strategies (and NO_SHARD on one rank): FSDP1 averages over the whole world itself
+    hybrid = params.module is not None and fsdp1.own_average(params.module)
     if own is not None and group is None and not hybrid:
         group = own
     elif own is not None and not hybrid and lifetime.group_ranks(own) != lifetime.group_ranks(group):

@@ -21,11 +21,12 @@ accumulator's group is then the whole data-parallel world (the default group), n
 What it takes: ``FULL_SHARD``, ``SHARD_GRAD_OP`` and the hybrid strategies; ``use_orig_params`` True (the
 optimizer holds the original parameters, each a 1-d view of this rank's piece, empty on some ranks) or False (the
 flat parameters); nested units (an auto-wrap policy); ``MixedPrecision`` with float32 parameters (each microbatch
-is reduced in ``reduce_dtype``, the window's sum kept in float32). Refused when the accumulator is built, on every
-rank, naming what works: hybrid units beside others, ``NO_SHARD`` (FSDP1 reduces the whole accumulated ``.grad``
-again at every backward: use DDP), ``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads``
-(the window's sum would be kept in that dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own,
-``terms=`` (see below).
+is reduced in ``reduce_dtype``, the window's sum kept in float32); ``NO_SHARD`` on one rank (FSDP1's own choice in
+a world of one: its average over one rank changes nothing, as under the hybrid strategies no hook is called).
+Refused when the accumulator is built, on every rank, naming what works: hybrid units beside others, ``NO_SHARD``
+over several ranks (FSDP1 reduces the whole accumulated ``.grad`` again at every backward: use DDP),
+``fsdp="window"``, parameters in bf16 or fp16 or ``keep_low_precision_grads`` (the window's sum would be kept in that
+dtype: 256 + 1 = 256 in bf16), a communication hook of the user's own, ``terms=`` (see below).
 
 Why no ``terms=``: it runs one backward per loss term, often through one forward, and FSDP1 frees the gathered
 parameters after a backward, so a second backward through the same forward fails inside FSDP1 (with or without
@@ -101,10 +102,16 @@ class _Hook:
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, _Hook] = weakref.WeakKeyDictionary()
 
 
-def hybrid(module: nn.Module) -> bool:
-    """Whether the FSDP1 units of ``module`` use a hybrid strategy (checked to be all or none by :func:`refusal`)."""
+def own_average(module: nn.Module) -> bool:
+    """Whether FSDP1 reduces ``module``'s units with its own average, calling no communication hook: the hybrid
+    strategies, and ``NO_SHARD`` on one rank (FSDP1 switches to it by itself in a world of one, where its
+    all-reduce of the accumulated ``.grad`` is the identity). All or none, checked by :func:`refusal`."""
     cls = fsdp1_class()
-    return any(_strategy(m) in HYBRID for m in module.modules() if cls is not None and isinstance(m, cls))
+    return any(_own(_strategy(m)) for m in module.modules() if cls is not None and isinstance(m, cls))
+
+
+def _own(strategy: str) -> bool:
+    return strategy in HYBRID or strategy == "NO_SHARD"
 
 
 def _strategy(unit: nn.Module) -> str:
@@ -130,19 +137,19 @@ def refusal(module: nn.Module, mode: str, world: int) -> str | None:
             continue
         where = f"FSDP1 unit {name!r}" if name else "the FSDP1 module given"
         strategy = _strategy(unit)
-        kinds.add(strategy in HYBRID)
+        kinds.add(_own(strategy))
         if len(kinds) > 1:
-            return (f"{where} uses {strategy} beside units of another kind (hybrid and not): FSDP1 reduces the "
-                    "two differently; use one sharding strategy for every unit")
-        if strategy == "NO_SHARD":
-            return (f"{where} uses NO_SHARD: FSDP1 then all-reduces the whole accumulated .grad again at every "
-                    "backward, counting earlier microbatches once more; use DDP (DistributedDataParallel), which "
-                    "gradagg keeps exact, or FULL_SHARD / SHARD_GRAD_OP")
+            return (f"{where} uses {strategy} beside units of another kind (hybrid or NO_SHARD, and not): FSDP1 "
+                    "reduces the two differently; use one sharding strategy for every unit")
+        pg = getattr(unit, "process_group", None)
+        ways = pg.size() if pg is not None else world
+        if strategy == "NO_SHARD" and ways > 1:
+            return (f"{where} uses NO_SHARD over {ways} ranks: FSDP1 then all-reduces the whole accumulated .grad "
+                    "again at every backward, counting earlier microbatches once more; use DDP "
+                    "(DistributedDataParallel), which gradagg keeps exact, or FULL_SHARD / SHARD_GRAD_OP")
         if getattr(getattr(unit, "mixed_precision", None), "keep_low_precision_grads", False):
             return (f"{where} sets MixedPrecision(keep_low_precision_grads=True): FSDP1 would sum the window's "
                     "microbatches in the low-precision dtype; leave it False (gradients kept in float32)")
-        pg = getattr(unit, "process_group", None)
-        ways = pg.size() if pg is not None else world
         if strategy in HYBRID and world % ways:
             return (f"{where} shards over {ways} ranks within a replica, which does not divide the accumulator's "
                     f"group of {world}: give the accumulator the whole data-parallel world (group=None)")
