@@ -102,7 +102,7 @@ REFUSALS = {
     "window": "fsdp='window' is not built for FSDP1",
     "terms": "terms= under FSDP1: FSDP1 cannot back-propagate twice through one forward",
     "no shard": "uses NO_SHARD",
-    "hybrid beside full": "beside units of another kind (hybrid and not)",
+    "hybrid beside full": "beside units of another kind (hybrid or NO_SHARD, and not)",
     "plain head": "parameter '2.weight' is in no FSDP1 unit (2 such)",
     "bf16": "is torch.bfloat16: FSDP1 sums the window's microbatches into .grad",
     "own hook": "FSDP1 refused gradagg's communication hook",
