@@ -38,7 +38,7 @@ def run(plan: Plan, *, min_replicas: int) -> list[list[dict[str, Any]]]:
     coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     try:
-        outcomes = launch_local_world(ft.ft_world, plan.groups * plan.ranks, lighthouse.address(),
+        outcomes = launch_local_world(ft.ft_world, plan.world, lighthouse.address(),
                                       [s.port for s in stores], coord.port, plan, timeout_s=120.0,
                                       collective_timeout_s=30.0, preload=["torchft"])
     finally:
@@ -107,7 +107,7 @@ def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[s
     assert len(flat) == len(set(flat)), "a sample was applied in two committed steps"
     lost = {k for records in every for k in records[-1]["lost"]}  # reported skipped by a group that left
     unconsumed = {k for records in every for k in records[-1]["unconsumed"]}  # re-fed, or never drawn
-    everything = {k for g in range(plan.groups) for r in range(plan.ranks) for k in ft.keys_of(plan, g, r)}
+    everything = {k for g in range(plan.groups) for r in range(plan.size(g)) for k in ft.keys_of(plan, g, r)}
     assert set(flat) | lost | unconsumed == everything
     assert not (set(flat) & (lost | unconsumed)) and not (lost & unconsumed)
     return applied
@@ -330,3 +330,20 @@ def test_two_ranks_a_group() -> None:
         assert [(r.committed, r.attempts) for r in reports(every[rank])] == [(True, 1), (True, 2)]
     for rank in (2, 3):
         assert reports(every[rank])[-1].reason.startswith("injected")
+
+
+@pytest.mark.parametrize(("sizes", "async_quorum"), [((2, 1), True), ((1, 2), False)])
+def test_groups_of_different_sizes_are_refused_on_every_rank(sizes: tuple[int, ...], async_quorum: bool) -> None:
+    """A group of 2 ranks beside a group of 1 (a group restarted with a rank fewer: torchft cannot keep a group that
+    lost a rank, its manager waits for every rank it was built with). torchft pairs rank r of each group in its
+    all-reduce: rank 0 of both sum, rank 1 of the larger has no partner (its process group fails to reconfigure).
+    Every rank of both groups refuses the first step with a GradaggError naming both sizes, within torchft's
+    timeout + 5 s: none commits a step the other group's ranks did not read alike."""
+    plan = Plan(groups=2, sizes=sizes, steps=2, per_window=(1, 1), samples=(3, 3), async_quorum=async_quorum,
+                refusals=True)
+    every = run(plan, min_replicas=2)
+    for rank, records in enumerate(every):
+        refused = [rec for rec in records if "refused" in rec]
+        assert [rec["iteration"] for rec in refused] == [0], (rank, records)
+        assert "2 ranks" in refused[0]["refused"] and "1 rank" in refused[0]["refused"], refused[0]["refused"]
+        assert refused[0]["elapsed"] <= plan.timeout_s + 5.0, (rank, refused[0]["elapsed"])
