@@ -72,7 +72,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import GradaggError
+from gradagg.errors import CollectiveError, GradaggError
 from gradagg.integrations import _torchft_sums as sums
 from gradagg.integrations._torchft_sums import NONE, UNWEIGHTED, WEIGHTED
 from gradagg.torch import MicrobatchAccumulator
@@ -350,24 +350,24 @@ class ReplicaGroups:
         tensors = self.accumulator.state.tensors
         slot = self.manager.participating_rank() if send else None
         counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots, slot,
-                             mine.token if send else 0)
+                             mine.token if send else 0, self.accumulator.state.world)
         flats = self._flats = sums.flatten(tensors, mine.divisor, self._flats, zeros=not send)
         for t in [*flats.buffers.values(), counts]:
             # one at a time: after a failure torchft makes the next all-reduce a no-op, where one already issued
             # would wait out the whole timeout for a peer that is gone (the process group runs them in order anyway)
             self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
-            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
-            # of failed commits; it says False here
-            self.manager.should_commit()
-            return _Attempt(step, slots, send, None, "a torchft all-reduce failed (a replica group died or timed out)")
-        total = sums.Totals.of(counts, slots)
-        problem = total.problem(self.group)
-        if problem is not None:  # the same sums on every group: every group raises
+        total = None if self.manager.errored() is not None else sums.Totals.of(counts, slots)
+        problem = self._agree(total, None if total is None else total.problem(self.group))
+        if problem is not None:  # every rank of every group that read the sums raises, and its group's other ranks
             self.manager.report_error(problem)
             self.manager.should_commit()
             self._discard()
             raise problem
+        if total is None:
+            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
+            # of failed commits; it says False here
+            self.manager.should_commit()
+            return _Attempt(step, slots, send, None, "a torchft all-reduce failed (a replica group died or timed out)")
         if total.divisor == 0:  # should_commit() then says False on every group
             self.manager.report_error(GradaggError("no microbatch in any replica group: there is no mean to take"))
         if not self.manager.should_commit():
@@ -375,6 +375,34 @@ class ReplicaGroups:
         sums.install(tensors, flats, total.divisor, total.participation)
         self._remember(step, total.tokens)
         return _Attempt(step, slots, send, total)
+
+    def _agree(self, total: sums.Totals | None, problem: GradaggError | None) -> GradaggError | None:
+        """What the group's ranks read, agreed inside the group (one small all-reduce): the smallest and largest
+        group size, and whether a rank refuses the step.
+
+        torchft pairs rank r of each group in its all-reduce. Groups of different sizes leave a rank of the larger
+        with no partner: its process group fails to reconfigure, so its all-reduce errors and it reads nothing,
+        while rank 0 of its group sums with the others and reads their sizes. The agreement tells the ranks that
+        read nothing, so every rank of every group that took part refuses the step (a group must not commit a step
+        its ranks read differently; and the ranks of one group must all leave finish() the same way, or the one
+        that retries waits in a quorum for the one that raised).
+        """
+        st = self.accumulator.state
+        seen = [st.world, *(() if total is None else total.sizes)]
+        view = torch.tensor([max(seen), -min(seen), float(problem is not None)], dtype=torch.float64)
+        if st.world > 1:
+            dist.all_reduce(view, op=dist.ReduceOp.MAX, group=st.group)
+        largest, smallest = int(view[0]), int(-view[1])
+        where = f"group {self.group}, rank {st.rank} of {st.world}"
+        if largest != smallest:
+            return CollectiveError(
+                f"{where}: replica groups of {largest} ranks and of {smallest} rank{'s' * (smallest != 1)} in one "
+                "torchft step; torchft's all-reduce pairs rank r of each group, so a rank of the larger has no "
+                "partner and its group cannot commit: give every replica group the same number of ranks (restart "
+                "a group that lost a rank with its full size)")
+        if problem is None and view[2]:
+            return CollectiveError(f"{where}: another rank of this group refused the step (its error says why)")
+        return problem
 
     def _stale(self, first_step: int, step: int, before: torch.Tensor | None) -> bool:
         """The retry's quorum healed this group: its window was computed on parameters the step no longer holds.
