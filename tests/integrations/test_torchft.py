@@ -74,10 +74,22 @@ def relative_error(got: dict[str, Any], want: dict[str, Any]) -> float:
     return worst
 
 
+def no_hang(every: list[list[dict[str, Any]]], plan: Plan) -> None:
+    """Every step of every rank, the failed ones and their retries included, returned within its group's torchft
+    timeout + 5 s (the issue's bound: a rank waits out at most one timeout, then the retry's quorum and sums)."""
+    group = [g for g in range(plan.groups) for _ in range(plan.size(g))]
+    for rank, records in enumerate(every):
+        for rec in records:
+            if "elapsed" in rec:
+                bound = plan.timeout(group[rank]) + 5.0
+                assert rec["elapsed"] <= bound, (rank, rec["iteration"], rec["elapsed"], bound)
+
+
 def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[str]]:
     """Every committed step exact; every sample applied once or reported; each group's step moved only by its
-    commits (or a heal); the groups that finished at one step hold the same parameters. Returns the keys applied
-    per step."""
+    commits (or a heal); the groups that finished at one step hold the same parameters; no step of any rank took
+    longer than its torchft timeout + 5 s. Returns the keys applied per step."""
+    no_hang(every, plan)
     applied: dict[int, list[str]] = collections.defaultdict(list)
     for records in every:
         for rep in reports(records):
