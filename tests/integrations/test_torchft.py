@@ -359,3 +359,24 @@ def test_groups_of_different_sizes_are_refused_on_every_rank(sizes: tuple[int, .
         assert [rec["iteration"] for rec in refused] == [0], (rank, records)
         assert "2 ranks" in refused[0]["refused"] and "1 rank" in refused[0]["refused"], refused[0]["refused"]
         assert refused[0]["elapsed"] <= plan.timeout_s + 5.0, (rank, refused[0]["elapsed"])
+
+
+def test_a_rank_lost_inside_a_group_ends_its_group_and_the_others_commit_without_it() -> None:
+    """2 groups of 2 ranks; rank 1 of group 0 dies mid-window at step 1. torchft cannot keep a group that lost a rank
+    (its manager waits for all the ranks it was built with, at every quorum and should_commit()): group 0's other
+    rank refuses the step with a GradaggError as soon as its group's own all-reduce fails, and leaves; group 1's
+    ranks retry without group 0 and commit step 1 exact, its own token mean. Every rank within its torchft timeout
+    + 5 s; every sample applied once, or lost with a rank that left."""
+    plan = Plan(groups=2, ranks=2, steps=3, lose=(0, 1, 1), fail_after=1, per_window=(2, 1), samples=(6, 3),
+                refusals=True)
+    every = run(plan, min_replicas=1)
+    applied = check_run(every, plan)
+    refused = [rec for rec in every[0] if "refused" in rec]
+    assert [rec["iteration"] for rec in refused] == [1] and "group g0, rank 0 of 2" in refused[0]["refused"]
+    assert refused[0]["elapsed"] <= plan.timeout(0) + 5.0
+    assert reports(every[1])[-1].reason.startswith("injected")
+    for rank in (2, 3):
+        reps = reports(every[rank])
+        assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == [0, 1, 2]
+        assert reps[1].attempts == 2 and len(reps[1].per_participant) == 1, reps[1].text()
+    assert sorted(applied) == [0, 1, 2]

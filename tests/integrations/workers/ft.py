@@ -37,7 +37,9 @@ class Plan:
     it until their timeout, ``timeouts`` by group). ``measure``: each step also runs torchft's own averaging (group
     token means, ``manager.allreduce`` AVG). ``retries``: given to ``exact()``. ``sizes``: ranks per group, when
     the groups differ (else ``ranks`` each). ``refusals``: a GradaggError out of ``finish()`` ends the rank with a
-    record of it (``refused``: the message, ``elapsed``: the step's seconds) instead of failing the test."""
+    record of it (``refused``: the message, ``elapsed``: the step's seconds; the window's keys lost) instead of
+    failing the test. ``lose``: (group, rank, iteration): that one rank of the group abandons that iteration's
+    window after ``fail_after`` microbatches and leaves (a rank lost inside a group)."""
 
     groups: int
     ranks: int = 1
@@ -60,6 +62,7 @@ class Plan:
     timeout_s: float = 10.0  # torchft's operation timeout: 4 s expired under CI's load (2 cores, 2 test workers)
     sizes: tuple[int, ...] = ()
     refusals: bool = False
+    lose: tuple[int, int, int] | None = None
 
     def size(self, g: int) -> int:
         """Group ``g``'s ranks."""
@@ -205,13 +208,14 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
         window = [queue.popleft() for _ in range(min(plan.per_window[g], len(queue)))]
         torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
         died = None
+        dies = plan.fail == (g, it) or plan.lose == (g, r, it)
         for i, key in enumerate(ft.microbatches(window)):
-            if plan.fail == (g, it) and i == plan.fail_after:
+            if dies and i == plan.fail_after:
                 died = i
                 break
             with ft.microbatch(weight=sample(key)[0].shape[0], key=key):
                 net.loss_sum(key).backward()
-        if not life and plan.fail == (g, it) and (died is not None or plan.fail_after >= len(window)):
+        if not life and dies and (died is not None or plan.fail_after >= len(window)):
             queue.extendleft(reversed(window[died:] if died is not None else []))  # never drawn
             manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
             report = ft.abandon("injected failure: this group died mid-window")
@@ -227,7 +231,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
             if not plan.refusals:
                 raise
             records.append({"refused": str(e), "elapsed": time.monotonic() - began, "iteration": it})
-            return []
+            return window  # no committed step holds them: this rank leaves with them
         records.append(_record(report, start, net, torchft_avg, it, manager.current_step(), time.monotonic() - began))
         queue.extendleft(reversed(report.skipped))  # re-feed: the next window starts with them
         if report.committed:
