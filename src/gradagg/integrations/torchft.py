@@ -72,7 +72,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import CollectiveError, GradaggError
+from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.integrations import _torchft_sums as sums
 from gradagg.integrations._torchft_sums import NONE, UNWEIGHTED, WEIGHTED
 from gradagg.torch import MicrobatchAccumulator
@@ -325,8 +325,7 @@ class ReplicaGroups:
         # the token: drawn by the group's first rank, the others add 0
         token = (secrets.randbits(sums.TOKEN_BITS) or 1) if st.rank == 0 else 0
         here = torch.tensor([float(m_here), float(w_here), float(token)], dtype=torch.float64)
-        if st.world > 1:  # the group's ranks agree on whether it ran anything before anyone finishes
-            dist.all_reduce(here, group=st.group)
+        self._in_group(here, dist.ReduceOp.SUM)  # the group's ranks agree on whether it ran anything
         m, w, token = int(here[0]), float(here[1]), int(here[2])
         if m == 0 or (local is not None and local.weighting == "weighted" and w == 0):
             acc.discard()  # the accumulator refuses an empty window: this group sends zeros instead
@@ -390,8 +389,7 @@ class ReplicaGroups:
         st = self.accumulator.state
         seen = [st.world, *(() if total is None else total.sizes)]
         view = torch.tensor([max(seen), -min(seen), float(problem is not None)], dtype=torch.float64)
-        if st.world > 1:
-            dist.all_reduce(view, op=dist.ReduceOp.MAX, group=st.group)
+        self._in_group(view, dist.ReduceOp.MAX)
         largest, smallest = int(view[0]), int(-view[1])
         where = f"group {self.group}, rank {st.rank} of {st.world}"
         if largest != smallest:
@@ -404,6 +402,27 @@ class ReplicaGroups:
             return CollectiveError(f"{where}: another rank of this group refused the step (its error says why)")
         return problem
 
+    def _in_group(self, t: torch.Tensor, op: Any) -> None:
+        """All-reduce ``t`` over this group's own ranks (nothing with one rank): the group's agreements.
+
+        Raises:
+            CollectiveError: it failed: a rank of this group is gone. torchft cannot keep a group that lost a rank
+                (its manager waits for every rank it was built with, at each quorum and ``should_commit()``): this
+                rank refuses the step and leaves, the other groups go on without the group.
+        """
+        st = self.accumulator.state
+        if st.world == 1:
+            return
+        try:
+            dist.all_reduce(t, op=op, group=st.group)
+        except RuntimeError as e:  # gloo's "Connection closed by peer" or its timeout (DistBackendError among them)
+            self._discard()  # local: the window is dropped, as for any refusal
+            raise CollectiveError(
+                f"group {self.group}, rank {st.rank} of {st.world}: the all-reduce inside the replica group failed "
+                f"({first_line(e)}); a rank of the group is gone, and torchft cannot keep a group that lost one (its "
+                f"manager waits for all {st.world} at every quorum): restart the group with all its ranks, it heals "
+                "from the others") from e
+
     def _stale(self, first_step: int, step: int, before: torch.Tensor | None) -> bool:
         """The retry's quorum healed this group: its window was computed on parameters the step no longer holds.
 
@@ -414,9 +433,7 @@ class ReplicaGroups:
         changed = self._healed and before is not None and not torch.equal(before, _fingerprint(
             self.accumulator.state.tensors))
         flag = torch.tensor([float(moved or changed)], dtype=torch.float64)
-        st = self.accumulator.state
-        if st.world > 1:
-            dist.all_reduce(flag, group=st.group)
+        self._in_group(flag, dist.ReduceOp.SUM)
         return bool(flag.item())
 
     def _commit(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,
