@@ -380,3 +380,17 @@ def test_a_rank_lost_inside_a_group_ends_its_group_and_the_others_commit_without
         assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == [0, 1, 2]
         assert reps[1].attempts == 2 and len(reps[1].per_participant) == 1, reps[1].text()
     assert sorted(applied) == [0, 1, 2]
+
+
+def test_fsdp2_inside_each_group() -> None:
+    """2 groups of 2 ranks, each group's model FSDP2-sharded over its 2 ranks (fully_shard on the body, then on the
+    root, which holds ``extra``): rank r of each group holds the same shard, and torchft's all-reduce pairs rank r
+    of each group, so each shard's SUM meets its twin. Uneven tokens (1 and 2 microbatches a window): every
+    committed step, gathered whole, is the float64 token mean of the 4 ranks' microbatches, ``extra`` included
+    where only one group's samples used it."""
+    plan = Plan(groups=2, ranks=2, steps=2, per_window=(1, 2), samples=(2, 4), fsdp=True)
+    every = run(plan, min_replicas=2)
+    applied = check_run(every, plan)
+    assert sorted(applied) == [0, 1] and all(len(keys) == 6 for keys in applied.values())
+    for records in every:
+        assert all(r.committed and r.participating and len(r.per_participant) == 2 for r in reports(records))

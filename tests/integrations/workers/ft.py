@@ -63,6 +63,7 @@ class Plan:
     sizes: tuple[int, ...] = ()
     refusals: bool = False
     lose: tuple[int, int, int] | None = None
+    fsdp: bool = False  # FSDP2 inside each group: fully_shard over the group's ranks
 
     def size(self, g: int) -> int:
         """Group ``g``'s ranks."""
@@ -97,11 +98,13 @@ class Net(torch.nn.Module):
         self.body = torch.nn.Sequential(torch.nn.Linear(IN_DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, OUT_DIM))
         self.extra = torch.nn.Linear(IN_DIM, OUT_DIM)  # absent from the samples that do not use it
 
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        return self.body(x) + (self.extra(x) if extra else 0)
+
     def loss_sum(self, key: str) -> torch.Tensor:
-        """The UNSCALED loss of a sample: summed over its tokens."""
+        """The UNSCALED loss of a sample: summed over its tokens (through ``forward``: FSDP2 hooks it)."""
         x, y, extra = sample(key, next(self.parameters()).dtype)
-        out = self.body(x) + (self.extra(x) if extra else 0)
-        return ((out - y) ** 2).sum()
+        return ((self(x, extra) - y) ** 2).sum()
 
 
 _SEEDED = threading.Lock()
@@ -170,6 +173,8 @@ def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -
     from gradagg.torch import MicrobatchAccumulator
 
     net = model()
+    if plan.fsdp:
+        _shard(net, inner)
     opt = torch.optim.SGD(net.parameters(), lr=plan.lr)
     timeout = datetime.timedelta(seconds=plan.timeout(g))
     pg = ProcessGroupGloo(timeout=timeout)
@@ -182,6 +187,26 @@ def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -
     )
     ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}", retries=plan.retries)
     return net, opt, manager, ft, pg
+
+
+def _shard(net: Net, inner: Any) -> None:
+    """FSDP2 over the group's ranks: the body a unit, then the root, which holds ``extra``. (``extra`` is unused by
+    some samples: as a unit of its own, a rank whose microbatch skips it would run one reduce-scatter fewer than its
+    peer, which FSDP2 does not allow; in the root's unit FSDP2 reduce-scatters it, zeros where unused, as the
+    accumulator configures it.)"""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(inner, "cpu")
+    fully_shard(net.body, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh: every rank of the group records in one order), else
+    ``t``."""
+    gather = getattr(t, "full_tensor", None)
+    return t if gather is None else gather()  # type: ignore[no-any-return]
 
 
 def _starters(plan: Plan) -> int:
@@ -204,7 +229,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
             break
         began = time.monotonic()  # the step's time on this rank: its quorum, window and finish()
         manager.start_quorum()
-        start = {n: p.detach().double().clone() for n, p in net.named_parameters()}
+        start = {n: _full(p.detach()).double().clone() for n, p in net.named_parameters()}
         window = [queue.popleft() for _ in range(min(plan.per_window[g], len(queue)))]
         torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
         died = None
@@ -249,7 +274,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
 
 
 def _params(net: Net) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+    return {n: _full(p.detach()).clone() for n, p in net.named_parameters()}
 
 
 def _error_at_commit(manager: Any) -> None:
@@ -283,6 +308,6 @@ def _record(report: Any, start: dict[str, torch.Tensor], net: Net, torchft_avg: 
     """What a test needs of one window: the report, the parameters the window started from, the gradients
     ``finish()`` handed out, torchft's step after it (-1 for a group that left) and the step's seconds on this rank
     (from its ``start_quorum()`` to ``finish()``'s return)."""
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
+    grads = {n: None if p.grad is None else _full(p.grad.detach()).clone() for n, p in net.named_parameters()}
     return {"report": report, "start": start, "grads": grads, "torchft_avg": torchft_avg, "iteration": it,
             "step_after": step_after, "elapsed": elapsed}
