@@ -15,6 +15,7 @@ does not take part in the step):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -182,10 +183,24 @@ def install(tensors: list[torch.Tensor], flats: Flats, divisor: float, participa
         view = flats.buffers[key][start:start + n]
         if p == 0:
             t.grad = None
-        elif t.grad is not None and t.grad is not local(t.grad):  # a DTensor: its local shard, in place
-            local(t.grad).copy_(view.view_as(local(t.grad)))
+        elif t is not local(t):  # a DTensor (FSDP2): the buffer holds its local shard
+            t.grad = _sharded_grad(t, view)
         else:
             t.grad = view.view_as(t)
+
+
+def _sharded_grad(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The DTensor gradient of the DTensor parameter ``t`` whose local shard is ``view``: written into the gradient
+    the group's own window left, or, where this group gave the parameter none and another group did, a new DTensor
+    over the view, laid out as ``t`` (its mesh, placements, global shape and stride)."""
+    shard = view.view_as(local(t.detach()))
+    if t.grad is not None:
+        local(t.grad).copy_(shard)
+        return t.grad
+    from torch.distributed.tensor import DTensor
+
+    dt = cast(DTensor, t)  # it has a local shard: a DTensor
+    return DTensor.from_local(shard, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
