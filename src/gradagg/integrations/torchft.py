@@ -54,10 +54,17 @@ a healing or stale group, whose data sat the step out). Re-feed those, or record
 sample is in exactly one committed step or reported. A group that fails locally calls :meth:`ReplicaGroups.abandon`
 to report its own window before leaving.
 
+Every group must have as many ranks: torchft's all-reduce pairs rank r of each group, and a rank of a larger group
+has no partner. Each group's size travels in the counts and the group's ranks agree on what they read, so groups of
+different sizes are refused on every rank (a :class:`~gradagg.errors.CollectiveError` naming both sizes); a rank lost
+inside a group makes the group's own all-reduce fail, and its other ranks refuse the step (torchft cannot keep a
+group that lost a rank: they must leave, and the others commit without the group).
+
 Not covered: ``terms=`` accumulators (each loss term divided by its own count cannot be re-divided: refused) and
-``divisors()`` ("divided ahead": refused on every group); FSDP2 and HSDP inside a group are untested. Memory: one
-gradient-sized buffer (the flat SUM that travels), kept between windows, and none more for the retry; a committed
-step's gradients are views of it, dropped (``zero_grad()``) before the next window as the accumulator requires.
+``divisors()`` ("divided ahead": refused on every group); HSDP inside a group is untested (FSDP2 is tested).
+Memory: one gradient-sized buffer (the flat SUM that travels), kept between windows, and none more for the retry; a
+committed step's gradients are views of it, dropped (``zero_grad()``) before the next window as the accumulator
+requires.
 This module imports nothing of torchft: the manager is the caller's.
 """
 
@@ -527,7 +534,7 @@ def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = 
     Args:
         manager: this rank's ``torchft.Manager``.
         accumulator: the group's :class:`~gradagg.torch.MicrobatchAccumulator`, over the group's own ranks
-            (``group=`` the replica group's process group; plain or DDP inside it).
+            (``group=`` the replica group's process group; plain, DDP or FSDP2 inside it, every group alike).
         group: a name for the reports (torchft's replica id).
         retries: how many times a failed step's reduction is retried among the survivors, from the saved window
             (a new quorum at the same step, then the all-reduce again); 0 is torchft's own behaviour: the step is
