@@ -382,15 +382,23 @@ def test_a_rank_lost_inside_a_group_ends_its_group_and_the_others_commit_without
     assert sorted(applied) == [0, 1, 2]
 
 
-def test_fsdp2_inside_each_group() -> None:
+@pytest.mark.parametrize("dies", [False, True])
+def test_fsdp2_inside_each_group(dies: bool) -> None:
     """2 groups of 2 ranks, each group's model FSDP2-sharded over its 2 ranks (fully_shard on the body, then on the
     root, which holds ``extra``): rank r of each group holds the same shard, and torchft's all-reduce pairs rank r
     of each group, so each shard's SUM meets its twin. Uneven tokens (1 and 2 microbatches a window): every
     committed step, gathered whole, is the float64 token mean of the 4 ranks' microbatches, ``extra`` included
-    where only one group's samples used it."""
-    plan = Plan(groups=2, ranks=2, steps=2, per_window=(1, 2), samples=(2, 4), fsdp=True)
-    every = run(plan, min_replicas=2)
+    where only one group's samples used it. With ``dies``, group 1 dies mid-window at step 1: group 0's ranks retry
+    from their sharded windows and commit step 1 alone, exact."""
+    if dies:
+        plan = Plan(groups=2, ranks=2, steps=3, fail=(1, 1), fail_after=1, per_window=(1, 2), samples=(3, 4), fsdp=True)
+    else:
+        plan = Plan(groups=2, ranks=2, steps=2, per_window=(1, 2), samples=(2, 4), fsdp=True)
+    every = run(plan, min_replicas=1 if dies else 2)
     applied = check_run(every, plan)
-    assert sorted(applied) == [0, 1] and all(len(keys) == 6 for keys in applied.values())
-    for records in every:
-        assert all(r.committed and r.participating and len(r.per_participant) == 2 for r in reports(records))
+    assert sorted(applied) == list(range(plan.steps))
+    for rank in (0, 1):
+        reps = reports(every[rank])
+        assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == list(range(plan.steps))
+        assert [r.attempts for r in reps] == ([1, 2, 1] if dies else [1, 1]), [r.text() for r in reps]
+        assert [len(r.per_participant) for r in reps] == ([2, 1, 1] if dies else [2, 2])
