@@ -38,7 +38,7 @@ def run(plan: Plan, *, min_replicas: int) -> list[list[dict[str, Any]]]:
     coord = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     try:
-        outcomes = launch_local_world(ft.ft_world, plan.groups * plan.ranks, lighthouse.address(),
+        outcomes = launch_local_world(ft.ft_world, plan.world, lighthouse.address(),
                                       [s.port for s in stores], coord.port, plan, timeout_s=120.0,
                                       collective_timeout_s=30.0, preload=["torchft"])
     finally:
@@ -74,10 +74,22 @@ def relative_error(got: dict[str, Any], want: dict[str, Any]) -> float:
     return worst
 
 
+def no_hang(every: list[list[dict[str, Any]]], plan: Plan) -> None:
+    """Every step of every rank, the failed ones and their retries included, returned within its group's torchft
+    timeout + 5 s (the issue's bound: a rank waits out at most one timeout, then the retry's quorum and sums)."""
+    group = [g for g in range(plan.groups) for _ in range(plan.size(g))]
+    for rank, records in enumerate(every):
+        for rec in records:
+            if "elapsed" in rec:
+                bound = plan.timeout(group[rank]) + 5.0
+                assert rec["elapsed"] <= bound, (rank, rec["iteration"], rec["elapsed"], bound)
+
+
 def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[str]]:
     """Every committed step exact; every sample applied once or reported; each group's step moved only by its
-    commits (or a heal); the groups that finished at one step hold the same parameters. Returns the keys applied
-    per step."""
+    commits (or a heal); the groups that finished at one step hold the same parameters; no step of any rank took
+    longer than its torchft timeout + 5 s. Returns the keys applied per step."""
+    no_hang(every, plan)
     applied: dict[int, list[str]] = collections.defaultdict(list)
     for records in every:
         for rep in reports(records):
@@ -107,7 +119,7 @@ def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[s
     assert len(flat) == len(set(flat)), "a sample was applied in two committed steps"
     lost = {k for records in every for k in records[-1]["lost"]}  # reported skipped by a group that left
     unconsumed = {k for records in every for k in records[-1]["unconsumed"]}  # re-fed, or never drawn
-    everything = {k for g in range(plan.groups) for r in range(plan.ranks) for k in ft.keys_of(plan, g, r)}
+    everything = {k for g in range(plan.groups) for r in range(plan.size(g)) for k in ft.keys_of(plan, g, r)}
     assert set(flat) | lost | unconsumed == everything
     assert not (set(flat) & (lost | unconsumed)) and not (lost & unconsumed)
     return applied
@@ -330,3 +342,63 @@ def test_two_ranks_a_group() -> None:
         assert [(r.committed, r.attempts) for r in reports(every[rank])] == [(True, 1), (True, 2)]
     for rank in (2, 3):
         assert reports(every[rank])[-1].reason.startswith("injected")
+
+
+@pytest.mark.parametrize(("sizes", "async_quorum"), [((2, 1), True), ((1, 2), False)])
+def test_groups_of_different_sizes_are_refused_on_every_rank(sizes: tuple[int, ...], async_quorum: bool) -> None:
+    """A group of 2 ranks beside a group of 1 (a group restarted with a rank fewer: torchft cannot keep a group that
+    lost a rank, its manager waits for every rank it was built with). torchft pairs rank r of each group in its
+    all-reduce: rank 0 of both sum, rank 1 of the larger has no partner (its process group fails to reconfigure).
+    Every rank of both groups refuses the first step with a GradaggError naming both sizes, within torchft's
+    timeout + 5 s: none commits a step the other group's ranks did not read alike."""
+    plan = Plan(groups=2, sizes=sizes, steps=2, per_window=(1, 1), samples=(3, 3), async_quorum=async_quorum,
+                refusals=True)
+    every = run(plan, min_replicas=2)
+    for rank, records in enumerate(every):
+        refused = [rec for rec in records if "refused" in rec]
+        assert [rec["iteration"] for rec in refused] == [0], (rank, records)
+        assert "2 ranks" in refused[0]["refused"] and "1 rank" in refused[0]["refused"], refused[0]["refused"]
+        assert refused[0]["elapsed"] <= plan.timeout_s + 5.0, (rank, refused[0]["elapsed"])
+
+
+def test_a_rank_lost_inside_a_group_ends_its_group_and_the_others_commit_without_it() -> None:
+    """2 groups of 2 ranks; rank 1 of group 0 dies mid-window at step 1. torchft cannot keep a group that lost a rank
+    (its manager waits for all the ranks it was built with, at every quorum and should_commit()): group 0's other
+    rank refuses the step with a GradaggError as soon as its group's own all-reduce fails, and leaves; group 1's
+    ranks retry without group 0 and commit step 1 exact, its own token mean. Every rank within its torchft timeout
+    + 5 s; every sample applied once, or lost with a rank that left."""
+    plan = Plan(groups=2, ranks=2, steps=3, lose=(0, 1, 1), fail_after=1, per_window=(2, 1), samples=(6, 3),
+                refusals=True)
+    every = run(plan, min_replicas=1)
+    applied = check_run(every, plan)
+    refused = [rec for rec in every[0] if "refused" in rec]
+    assert [rec["iteration"] for rec in refused] == [1] and "group g0, rank 0 of 2" in refused[0]["refused"]
+    assert refused[0]["elapsed"] <= plan.timeout(0) + 5.0
+    assert reports(every[1])[-1].reason.startswith("injected")
+    for rank in (2, 3):
+        reps = reports(every[rank])
+        assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == [0, 1, 2]
+        assert reps[1].attempts == 2 and len(reps[1].per_participant) == 1, reps[1].text()
+    assert sorted(applied) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dies", [False, True])
+def test_fsdp2_inside_each_group(dies: bool) -> None:
+    """2 groups of 2 ranks, each group's model FSDP2-sharded over its 2 ranks (fully_shard on the body, then on the
+    root, which holds ``extra``): rank r of each group holds the same shard, and torchft's all-reduce pairs rank r
+    of each group, so each shard's SUM meets its twin. Uneven tokens (1 and 2 microbatches a window): every
+    committed step, gathered whole, is the float64 token mean of the 4 ranks' microbatches, ``extra`` included
+    where only one group's samples used it. With ``dies``, group 1 dies mid-window at step 1: group 0's ranks retry
+    from their sharded windows and commit step 1 alone, exact."""
+    if dies:
+        plan = Plan(groups=2, ranks=2, steps=3, fail=(1, 1), fail_after=1, per_window=(1, 2), samples=(3, 4), fsdp=True)
+    else:
+        plan = Plan(groups=2, ranks=2, steps=2, per_window=(1, 2), samples=(2, 4), fsdp=True)
+    every = run(plan, min_replicas=1 if dies else 2)
+    applied = check_run(every, plan)
+    assert sorted(applied) == list(range(plan.steps))
+    for rank in (0, 1):
+        reps = reports(every[rank])
+        assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == list(range(plan.steps))
+        assert [r.attempts for r in reps] == ([1, 2, 1] if dies else [1, 1]), [r.text() for r in reps]
+        assert [len(r.per_participant) for r in reps] == ([2, 1, 1] if dies else [2, 2])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradagg.errors import GradaggError, WindowError
+from gradagg.errors import CollectiveError, GradaggError, WindowError
 from gradagg.integrations import _torchft_sums as sums
 from gradagg.integrations.torchft import exact
 from gradagg.torch import MicrobatchAccumulator
@@ -134,6 +134,17 @@ def test_groups_weighting_differently_are_refused_on_every_group() -> None:
     manager = OneGroup([torch.zeros(2), other])
     lin, ft = window(manager, [3.0])
     with pytest.raises(WindowError, match="1 groups with weights, 1 groups without weights"):
+        ft.finish()
+    assert manager.commits == [False] and lin.weight.grad is None
+
+
+def test_a_group_of_another_size_is_refused() -> None:
+    """The other group has 2 ranks, this one 1: torchft pairs rank r of each group, so the other's rank 1 has no
+    partner; refused (should_commit() False first, so that the group's other ranks are released), naming both sizes."""
+    other = sums.counts(1, 5.0, sums.WEIGHTED, [1.0], slots=2, slot=1, size=2)
+    manager = OneGroup([torch.zeros(2), other])
+    lin, ft = window(manager, [3.0])
+    with pytest.raises(CollectiveError, match="group g0, rank 0 of 1: replica groups of 2 ranks and of 1 rank in one"):
         ft.finish()
     assert manager.commits == [False] and lin.weight.grad is None
 

@@ -6,14 +6,16 @@ does not take part in the step):
 * the gradient SUM, one flat buffer per (dtype, device): each group's finished gradient times its own divisor
   ``D_g``, zeros where the group gave a parameter no gradient (absent adds nothing: the token mean counts it as 0);
 * the COUNTS, float64 (a float32 count is no longer exact beyond 2**24 tokens): per quorum slot the group's weight,
-  microbatches and window token (a random integer below 2**52 naming this window of this group: after the sum every
-  group knows which windows a step holds), one flag per weighting, and each parameter's participation. The slot
-  (torchft's ``participating_rank()``) keeps each contributing group's counts apart through the sum.
+  microbatches, window token (a random integer below 2**52 naming this window of this group: after the sum every
+  group knows which windows a step holds) and size (its ranks: torchft pairs rank r of each group, so the groups must
+  have as many), one flag per weighting, and each parameter's participation. The slot (torchft's
+  ``participating_rank()``) keeps each contributing group's counts apart through the sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -32,10 +34,13 @@ TOKEN_BITS = 52
 """A window token is below 2**52: exact in float64, and a sum with zeros in the other groups' places."""
 
 
+_PER_SLOT = 4  # weight, microbatches, token, size
+
+
 def counts(m: int, weight: float, mode: int, participation: list[float], slots: int,
-           slot: int | None, token: int = 0) -> torch.Tensor:
+           slot: int | None, token: int = 0, size: int = 1) -> torch.Tensor:
     """The group's counts laid out for the sum:
-    ``[weight per slot, microbatches per slot, token per slot, flags, participation]``.
+    ``[weight per slot, microbatches per slot, token per slot, size per slot, flags, participation]``.
 
     Args:
         m: the group's microbatches; weight: their total weight (0 without weights).
@@ -43,20 +48,21 @@ def counts(m: int, weight: float, mode: int, participation: list[float], slots: 
         participation: per parameter, the microbatches in which it got a gradient (over the group).
         slots: ``manager.num_participants()``; slot: ``manager.participating_rank()`` (None: not taking part).
         token: the window's token (see the module's docstring).
+        size: the group's ranks.
 
     Returns:
         A float64 tensor, all zeros when ``slot`` is None.
 
-    >>> counts(2, 7.0, WEIGHTED, [2.0], slots=2, slot=1, token=5).tolist()
-    [0.0, 7.0, 0.0, 2.0, 0.0, 5.0, 1.0, 0.0, 0.0, 2.0]
+    >>> counts(2, 7.0, WEIGHTED, [2.0], slots=2, slot=1, token=5, size=2).tolist()
+    [0.0, 7.0, 0.0, 2.0, 0.0, 5.0, 0.0, 2.0, 1.0, 0.0, 0.0, 2.0]
     """
-    out = torch.zeros(3 * slots + _FLAGS + len(participation), dtype=torch.float64)
+    out = torch.zeros(_PER_SLOT * slots + _FLAGS + len(participation), dtype=torch.float64)
     if slot is None:
         return out
-    out[slot], out[slots + slot], out[2 * slots + slot] = weight, m, token
+    out[slot], out[slots + slot], out[2 * slots + slot], out[3 * slots + slot] = weight, m, token, size
     if mode != NONE:
-        out[3 * slots + mode] = 1
-    out[3 * slots + _FLAGS:] = torch.tensor(participation, dtype=torch.float64)
+        out[_PER_SLOT * slots + mode] = 1
+    out[_PER_SLOT * slots + _FLAGS:] = torch.tensor(participation, dtype=torch.float64)
     return out
 
 
@@ -64,10 +70,10 @@ def counts(m: int, weight: float, mode: int, participation: list[float], slots: 
 class Totals:
     """The summed counts, read back (the same on every group).
 
-    >>> summed = torch.tensor([3.0, 4.0, 1.0, 2.0, 8.0, 9.0, 2.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    >>> summed = torch.tensor([3.0, 4.0, 1.0, 2.0, 8.0, 9.0, 2.0, 1.0, 2.0, 0.0, 0.0, 1.0], dtype=torch.float64)
     >>> t = Totals.of(summed, slots=2)
-    >>> t.divisor, t.microbatches, t.per_slot(), t.participation, t.tokens
-    (7.0, 3, (3.0, 4.0), [1.0], frozenset({8, 9}))
+    >>> t.divisor, t.microbatches, t.per_slot(), t.participation, t.tokens, t.sizes
+    (7.0, 3, (3.0, 4.0), [1.0], frozenset({8, 9}), (2, 1))
     """
 
     weights: tuple[float, ...]
@@ -75,14 +81,17 @@ class Totals:
     flags: tuple[int, ...]
     participation: list[float]
     tokens: frozenset[int] = frozenset()
+    sizes: tuple[int, ...] = ()  # the ranks of each group that contributed (a slot left zero contributed nothing)
 
     @classmethod
     def of(cls, summed: torch.Tensor, slots: int) -> Totals:
         """Read ``summed`` (laid out by :func:`counts`) for ``slots`` quorum slots."""
         v = summed.tolist()
         tokens = frozenset(int(x) for x in v[2 * slots:3 * slots] if x)
+        sizes = tuple(int(x) for x in v[3 * slots:4 * slots] if x)
+        end = _PER_SLOT * slots
         return cls(tuple(v[:slots]), tuple(int(x) for x in v[slots:2 * slots]),
-                   tuple(int(x) for x in v[3 * slots:3 * slots + _FLAGS]), v[3 * slots + _FLAGS:], tokens)
+                   tuple(int(x) for x in v[end:end + _FLAGS]), v[end + _FLAGS:], tokens, sizes)
 
     @property
     def mode(self) -> int:
@@ -174,10 +183,24 @@ def install(tensors: list[torch.Tensor], flats: Flats, divisor: float, participa
         view = flats.buffers[key][start:start + n]
         if p == 0:
             t.grad = None
-        elif t.grad is not None and t.grad is not local(t.grad):  # a DTensor: its local shard, in place
-            local(t.grad).copy_(view.view_as(local(t.grad)))
+        elif t is not local(t):  # a DTensor (FSDP2): the buffer holds its local shard
+            t.grad = _sharded_grad(t, view)
         else:
             t.grad = view.view_as(t)
+
+
+def _sharded_grad(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """The DTensor gradient of the DTensor parameter ``t`` whose local shard is ``view``: written into the gradient
+    the group's own window left, or, where this group gave the parameter none and another group did, a new DTensor
+    over the view, laid out as ``t`` (its mesh, placements, global shape and stride)."""
+    shard = view.view_as(local(t.detach()))
+    if t.grad is not None:
+        local(t.grad).copy_(shard)
+        return t.grad
+    from torch.distributed.tensor import DTensor
+
+    dt = cast(DTensor, t)  # it has a local shard: a DTensor
+    return DTensor.from_local(shard, dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,17 @@ a healing or stale group, whose data sat the step out). Re-feed those, or record
 sample is in exactly one committed step or reported. A group that fails locally calls :meth:`ReplicaGroups.abandon`
 to report its own window before leaving.
 
+Every group must have as many ranks: torchft's all-reduce pairs rank r of each group, and a rank of a larger group
+has no partner. Each group's size travels in the counts and the group's ranks agree on what they read, so groups of
+different sizes are refused on every rank (a :class:`~gradagg.errors.CollectiveError` naming both sizes); a rank lost
+inside a group makes the group's own all-reduce fail, and its other ranks refuse the step (torchft cannot keep a
+group that lost a rank: they must leave, and the others commit without the group).
+
 Not covered: ``terms=`` accumulators (each loss term divided by its own count cannot be re-divided: refused) and
-``divisors()`` ("divided ahead": refused on every group); FSDP2 and HSDP inside a group are untested. Memory: one
-gradient-sized buffer (the flat SUM that travels), kept between windows, and none more for the retry; a committed
-step's gradients are views of it, dropped (``zero_grad()``) before the next window as the accumulator requires.
+``divisors()`` ("divided ahead": refused on every group); HSDP inside a group is untested (FSDP2 is tested).
+Memory: one gradient-sized buffer (the flat SUM that travels), kept between windows, and none more for the retry; a
+committed step's gradients are views of it, dropped (``zero_grad()``) before the next window as the accumulator
+requires.
 This module imports nothing of torchft: the manager is the caller's.
 """
 
@@ -72,7 +79,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from gradagg.errors import GradaggError
+from gradagg.errors import CollectiveError, GradaggError, first_line
 from gradagg.integrations import _torchft_sums as sums
 from gradagg.integrations._torchft_sums import NONE, UNWEIGHTED, WEIGHTED
 from gradagg.torch import MicrobatchAccumulator
@@ -325,8 +332,7 @@ class ReplicaGroups:
         # the token: drawn by the group's first rank, the others add 0
         token = (secrets.randbits(sums.TOKEN_BITS) or 1) if st.rank == 0 else 0
         here = torch.tensor([float(m_here), float(w_here), float(token)], dtype=torch.float64)
-        if st.world > 1:  # the group's ranks agree on whether it ran anything before anyone finishes
-            dist.all_reduce(here, group=st.group)
+        self._in_group(here, dist.ReduceOp.SUM)  # the group's ranks agree on whether it ran anything
         m, w, token = int(here[0]), float(here[1]), int(here[2])
         if m == 0 or (local is not None and local.weighting == "weighted" and w == 0):
             acc.discard()  # the accumulator refuses an empty window: this group sends zeros instead
@@ -350,24 +356,24 @@ class ReplicaGroups:
         tensors = self.accumulator.state.tensors
         slot = self.manager.participating_rank() if send else None
         counts = sums.counts(mine.microbatches, mine.weight, mine.mode, mine.participation, slots, slot,
-                             mine.token if send else 0)
+                             mine.token if send else 0, self.accumulator.state.world)
         flats = self._flats = sums.flatten(tensors, mine.divisor, self._flats, zeros=not send)
         for t in [*flats.buffers.values(), counts]:
             # one at a time: after a failure torchft makes the next all-reduce a no-op, where one already issued
             # would wait out the whole timeout for a peer that is gone (the process group runs them in order anyway)
             self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
-            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
-            # of failed commits; it says False here
-            self.manager.should_commit()
-            return _Attempt(step, slots, send, None, "a torchft all-reduce failed (a replica group died or timed out)")
-        total = sums.Totals.of(counts, slots)
-        problem = total.problem(self.group)
-        if problem is not None:  # the same sums on every group: every group raises
+        total = None if self.manager.errored() is not None else sums.Totals.of(counts, slots)
+        problem = self._agree(total, None if total is None else total.problem(self.group))
+        if problem is not None:  # every rank of every group that read the sums raises, and its group's other ranks
             self.manager.report_error(problem)
             self.manager.should_commit()
             self._discard()
             raise problem
+        if total is None:
+            # should_commit() still runs: it is the group's agreement (its other ranks wait in it) and torchft's count
+            # of failed commits; it says False here
+            self.manager.should_commit()
+            return _Attempt(step, slots, send, None, "a torchft all-reduce failed (a replica group died or timed out)")
         if total.divisor == 0:  # should_commit() then says False on every group
             self.manager.report_error(GradaggError("no microbatch in any replica group: there is no mean to take"))
         if not self.manager.should_commit():
@@ -375,6 +381,54 @@ class ReplicaGroups:
         sums.install(tensors, flats, total.divisor, total.participation)
         self._remember(step, total.tokens)
         return _Attempt(step, slots, send, total)
+
+    def _agree(self, total: sums.Totals | None, problem: GradaggError | None) -> GradaggError | None:
+        """What the group's ranks read, agreed inside the group (one small all-reduce): the smallest and largest
+        group size, and whether a rank refuses the step.
+
+        torchft pairs rank r of each group in its all-reduce. Groups of different sizes leave a rank of the larger
+        with no partner: its process group fails to reconfigure, so its all-reduce errors and it reads nothing,
+        while rank 0 of its group sums with the others and reads their sizes. The agreement tells the ranks that
+        read nothing, so every rank of every group that took part refuses the step (a group must not commit a step
+        its ranks read differently; and the ranks of one group must all leave finish() the same way, or the one
+        that retries waits in a quorum for the one that raised).
+        """
+        st = self.accumulator.state
+        seen = [st.world, *(() if total is None else total.sizes)]
+        view = torch.tensor([max(seen), -min(seen), float(problem is not None)], dtype=torch.float64)
+        self._in_group(view, dist.ReduceOp.MAX)
+        largest, smallest = int(view[0]), int(-view[1])
+        where = f"group {self.group}, rank {st.rank} of {st.world}"
+        if largest != smallest:
+            return CollectiveError(
+                f"{where}: replica groups of {largest} ranks and of {smallest} rank{'s' * (smallest != 1)} in one "
+                "torchft step; torchft's all-reduce pairs rank r of each group, so a rank of the larger has no "
+                "partner and its group cannot commit: give every replica group the same number of ranks (restart "
+                "a group that lost a rank with its full size)")
+        if problem is None and view[2]:
+            return CollectiveError(f"{where}: another rank of this group refused the step (its error says why)")
+        return problem
+
+    def _in_group(self, t: torch.Tensor, op: Any) -> None:
+        """All-reduce ``t`` over this group's own ranks (nothing with one rank): the group's agreements.
+
+        Raises:
+            CollectiveError: it failed: a rank of this group is gone. torchft cannot keep a group that lost a rank
+                (its manager waits for every rank it was built with, at each quorum and ``should_commit()``): this
+                rank refuses the step and leaves, the other groups go on without the group.
+        """
+        st = self.accumulator.state
+        if st.world == 1:
+            return
+        try:
+            dist.all_reduce(t, op=op, group=st.group)
+        except RuntimeError as e:  # gloo's "Connection closed by peer" or its timeout (DistBackendError among them)
+            self._discard()  # local: the window is dropped, as for any refusal
+            raise CollectiveError(
+                f"group {self.group}, rank {st.rank} of {st.world}: the all-reduce inside the replica group failed "
+                f"({first_line(e)}); a rank of the group is gone, and torchft cannot keep a group that lost one (its "
+                f"manager waits for all {st.world} at every quorum): restart the group with all its ranks, it heals "
+                "from the others") from e
 
     def _stale(self, first_step: int, step: int, before: torch.Tensor | None) -> bool:
         """The retry's quorum healed this group: its window was computed on parameters the step no longer holds.
@@ -386,9 +440,7 @@ class ReplicaGroups:
         changed = self._healed and before is not None and not torch.equal(before, _fingerprint(
             self.accumulator.state.tensors))
         flag = torch.tensor([float(moved or changed)], dtype=torch.float64)
-        st = self.accumulator.state
-        if st.world > 1:
-            dist.all_reduce(flag, group=st.group)
+        self._in_group(flag, dist.ReduceOp.SUM)
         return bool(flag.item())
 
     def _commit(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,
@@ -482,7 +534,7 @@ def exact(manager: Manager, accumulator: MicrobatchAccumulator, *, group: str = 
     Args:
         manager: this rank's ``torchft.Manager``.
         accumulator: the group's :class:`~gradagg.torch.MicrobatchAccumulator`, over the group's own ranks
-            (``group=`` the replica group's process group; plain or DDP inside it).
+            (``group=`` the replica group's process group; plain, DDP or FSDP2 inside it, every group alike).
         group: a name for the reports (torchft's replica id).
         retries: how many times a failed step's reduction is retried among the survivors, from the saved window
             (a new quorum at the same step, then the all-reduce again); 0 is torchft's own behaviour: the step is

@@ -1,6 +1,7 @@
 """Replica groups under torchft, one process per rank: the worker of tests/integrations/test_torchft.py.
 
-The world's ranks are split into ``groups`` replica groups of ``ranks`` ranks (rank r is in group r // ranks). Each
+The world's ranks are split into ``groups`` replica groups of ``ranks`` ranks each (or ``sizes[g]`` ranks in group g,
+in order: ranks 0 to sizes[0] - 1 are group 0, and so on). Each
 group has its own TCPStore (the parent's, by port) and its own ``torchft.Manager``; inside a group the accumulator
 reduces over a ``dist.new_group`` of its ranks. The lighthouse runs in the parent. Each rank draws its microbatches
 from its own queue of sample keys (``keys_of``), a window per step, and puts back what a report says was skipped
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradagg.errors import GradaggError
+
 IN_DIM, OUT_DIM = 4, 3
 
 
@@ -32,7 +35,11 @@ class Plan:
     manager after its all-reduce completed (its data reached the others; its own commit fails). ``local_error``:
     (group, iteration): that group reports an error before its all-reduce (it sends nothing; the others wait for
     it until their timeout, ``timeouts`` by group). ``measure``: each step also runs torchft's own averaging (group
-    token means, ``manager.allreduce`` AVG). ``retries``: given to ``exact()``."""
+    token means, ``manager.allreduce`` AVG). ``retries``: given to ``exact()``. ``sizes``: ranks per group, when
+    the groups differ (else ``ranks`` each). ``refusals``: a GradaggError out of ``finish()`` ends the rank with a
+    record of it (``refused``: the message, ``elapsed``: the step's seconds; the window's keys lost) instead of
+    failing the test. ``lose``: (group, rank, iteration): that one rank of the group abandons that iteration's
+    window after ``fail_after`` microbatches and leaves (a rank lost inside a group)."""
 
     groups: int
     ranks: int = 1
@@ -53,6 +60,22 @@ class Plan:
     lr: float = 0.1  # 0: a committed step leaves the parameters as they were
     min_replica_size: int = 1
     timeout_s: float = 10.0  # torchft's operation timeout: 4 s expired under CI's load (2 cores, 2 test workers)
+    sizes: tuple[int, ...] = ()
+    refusals: bool = False
+    lose: tuple[int, int, int] | None = None
+    fsdp: bool = False  # FSDP2 inside each group: fully_shard over the group's ranks
+
+    def size(self, g: int) -> int:
+        """Group ``g``'s ranks."""
+        return self.sizes[g] if self.sizes else self.ranks
+
+    def timeout(self, g: int) -> float:
+        """Group ``g``'s torchft timeout, in seconds."""
+        return self.timeouts[g] if self.timeouts else self.timeout_s
+
+    @property
+    def world(self) -> int:
+        return sum(self.size(g) for g in range(self.groups))
 
 
 def keys_of(plan: Plan, group: int, rank: int) -> list[str]:
@@ -75,11 +98,13 @@ class Net(torch.nn.Module):
         self.body = torch.nn.Sequential(torch.nn.Linear(IN_DIM, 8), torch.nn.Tanh(), torch.nn.Linear(8, OUT_DIM))
         self.extra = torch.nn.Linear(IN_DIM, OUT_DIM)  # absent from the samples that do not use it
 
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        return self.body(x) + (self.extra(x) if extra else 0)
+
     def loss_sum(self, key: str) -> torch.Tensor:
-        """The UNSCALED loss of a sample: summed over its tokens."""
+        """The UNSCALED loss of a sample: summed over its tokens (through ``forward``: FSDP2 hooks it)."""
         x, y, extra = sample(key, next(self.parameters()).dtype)
-        out = self.body(x) + (self.extra(x) if extra else 0)
-        return ((out - y) ** 2).sum()
+        return ((self(x, extra) - y) ** 2).sum()
 
 
 _SEEDED = threading.Lock()
@@ -94,9 +119,11 @@ def model(dtype: torch.dtype = torch.float32) -> Net:
 def ft_world(lighthouse: str, ports: list[int], coord: int, plan: Plan) -> list[dict[str, Any]]:
     """One rank: build its group's manager and accumulator, run the steps; return one record per window, then one
     with what is left (``unconsumed``, ``lost`` with a group that died, ``final``: step and parameters)."""
-    g, r = divmod(dist.get_rank(), plan.ranks)
-    inner = [dist.new_group(list(range(k * plan.ranks, (k + 1) * plan.ranks))) for k in range(plan.groups)][g]
-    return ft_rank(lighthouse, ports, coord, plan, g, r, inner)
+    firsts = [sum(plan.size(k) for k in range(g)) for g in range(plan.groups)]
+    g = max(k for k in range(plan.groups) if firsts[k] <= dist.get_rank())
+    # every rank makes every group's process group, in one order (torch.distributed requires it of new_group)
+    inner = [dist.new_group(list(range(firsts[k], firsts[k] + plan.size(k)))) for k in range(plan.groups)][g]
+    return ft_rank(lighthouse, ports, coord, plan, g, dist.get_rank() - firsts[g], inner)
 
 
 def ft_thread(lighthouse: str, ports: list[int], coord: int, plan: Plan, g: int) -> list[dict[str, Any]]:
@@ -121,9 +148,9 @@ def ft_rank(lighthouse: str, ports: list[int], coord: int, plan: Plan, g: int, r
             store.wait([f"committed/{plan.rejoin}"])
         net, opt, manager, ft, pg = _group(lighthouse, ports[g], plan, g, r, inner)
         if life:
-            _meet(store, "rejoiner", plan.ranks)
+            _meet(store, "rejoiner", plan.size(g))
         else:
-            _meet(store, "joiner" if joiner else "start", plan.ranks if joiner else _starters(plan))
+            _meet(store, "joiner" if joiner else "start", plan.size(g) if joiner else _starters(plan))
         try:
             gone = _steps(plan, g, r, net, opt, manager, ft, store, queue, records, life)
             final = (manager.current_step(), _params(net))
@@ -146,13 +173,15 @@ def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -
     from gradagg.torch import MicrobatchAccumulator
 
     net = model()
+    if plan.fsdp:
+        _shard(net, inner)
     opt = torch.optim.SGD(net.parameters(), lr=plan.lr)
-    timeout = datetime.timedelta(seconds=plan.timeouts[g] if plan.timeouts else plan.timeout_s)
+    timeout = datetime.timedelta(seconds=plan.timeout(g))
     pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
         pg=pg, min_replica_size=plan.min_replica_size,
         load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
-        store_port=port, rank=r, world_size=plan.ranks, lighthouse_addr=lighthouse,
+        store_port=port, rank=r, world_size=plan.size(g), lighthouse_addr=lighthouse,
         use_async_quorum=plan.async_quorum, init_sync=plan.init_sync, timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
     )
@@ -160,8 +189,28 @@ def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -
     return net, opt, manager, ft, pg
 
 
+def _shard(net: Net, inner: Any) -> None:
+    """FSDP2 over the group's ranks: the body a unit, then the root, which holds ``extra``. (``extra`` is unused by
+    some samples: as a unit of its own, a rank whose microbatch skips it would run one reduce-scatter fewer than its
+    peer, which FSDP2 does not allow; in the root's unit FSDP2 reduce-scatters it, zeros where unused, as the
+    accumulator configures it.)"""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(inner, "cpu")
+    fully_shard(net.body, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh: every rank of the group records in one order), else
+    ``t``."""
+    gather = getattr(t, "full_tensor", None)
+    return t if gather is None else gather()  # type: ignore[no-any-return]
+
+
 def _starters(plan: Plan) -> int:
-    return plan.ranks * (plan.groups - (plan.join is not None))
+    return plan.world - (plan.size(plan.join[0]) if plan.join is not None else 0)
 
 
 def _meet(store: Any, name: str, n: int) -> None:
@@ -178,29 +227,37 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
     for it in range(4 * plan.steps):  # a bound: each failure costs an iteration, never an endless loop
         if manager.current_step() >= plan.steps:
             break
+        began = time.monotonic()  # the step's time on this rank: its quorum, window and finish()
         manager.start_quorum()
-        start = {n: p.detach().double().clone() for n, p in net.named_parameters()}
+        start = {n: _full(p.detach()).double().clone() for n, p in net.named_parameters()}
         window = [queue.popleft() for _ in range(min(plan.per_window[g], len(queue)))]
         torchft_avg = _torchft_average(net, manager, window) if plan.measure else None
         died = None
+        dies = plan.fail == (g, it) or plan.lose == (g, r, it)
         for i, key in enumerate(ft.microbatches(window)):
-            if plan.fail == (g, it) and i == plan.fail_after:
+            if dies and i == plan.fail_after:
                 died = i
                 break
             with ft.microbatch(weight=sample(key)[0].shape[0], key=key):
                 net.loss_sum(key).backward()
-        if not life and plan.fail == (g, it) and (died is not None or plan.fail_after >= len(window)):
+        if not life and dies and (died is not None or plan.fail_after >= len(window)):
             queue.extendleft(reversed(window[died:] if died is not None else []))  # never drawn
             manager.num_participants()  # dies after the step's quorum formed with it (before, it never joined)
             report = ft.abandon("injected failure: this group died mid-window")
-            records.append(_record(report, start, net, None, it, -1))
+            records.append(_record(report, start, net, None, it, -1, time.monotonic() - began))
             return list(report.skipped)
         if plan.local_error == (g, it):
             manager.report_error(RuntimeError("injected: a local error before the all-reduce"))
         if plan.late_error == (g, it):
             _error_at_commit(manager)
-        report = ft.finish()
-        records.append(_record(report, start, net, torchft_avg, it, manager.current_step()))
+        try:
+            report = ft.finish()
+        except GradaggError as e:
+            if not plan.refusals:
+                raise
+            records.append({"refused": str(e), "elapsed": time.monotonic() - began, "iteration": it})
+            return window  # no committed step holds them: this rank leaves with them
+        records.append(_record(report, start, net, torchft_avg, it, manager.current_step(), time.monotonic() - began))
         queue.extendleft(reversed(report.skipped))  # re-feed: the next window starts with them
         if report.committed:
             opt.step()
@@ -217,7 +274,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
 
 
 def _params(net: Net) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
+    return {n: _full(p.detach()).clone() for n, p in net.named_parameters()}
 
 
 def _error_at_commit(manager: Any) -> None:
@@ -247,9 +304,10 @@ def _torchft_average(net: Net, manager: Any, window: list[str]) -> dict[str, tor
 
 
 def _record(report: Any, start: dict[str, torch.Tensor], net: Net, torchft_avg: Any, it: int,
-            step_after: int) -> dict[str, Any]:
+            step_after: int, elapsed: float) -> dict[str, Any]:
     """What a test needs of one window: the report, the parameters the window started from, the gradients
-    ``finish()`` handed out, and torchft's step after it (-1 for a group that left)."""
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in net.named_parameters()}
+    ``finish()`` handed out, torchft's step after it (-1 for a group that left) and the step's seconds on this rank
+    (from its ``start_quorum()`` to ``finish()``'s return)."""
+    grads = {n: None if p.grad is None else _full(p.grad.detach()).clone() for n, p in net.named_parameters()}
     return {"report": report, "start": start, "grads": grads, "torchft_avg": torchft_avg, "iteration": it,
-            "step_after": step_after}
+            "step_after": step_after, "elapsed": elapsed}
