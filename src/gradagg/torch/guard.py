@@ -16,7 +16,10 @@ run on every rank in data-parallel training (as the collectives of ``finish()`` 
 only fails with :class:`~gradagg.errors.CollectiveError` at the collective timeout. In one process (no group, or
 a group of one) nothing needs agreeing: the window open is what is held. (Inferring "held" without asking, from
 each optimizer's last step, missed every loop where no step marks a window's end: weights updated by hand, a
-``discard()``, an optimizer re-created.)
+``discard()``, an optimizer re-created.) One exception, attached and under a wrapper whose windows open together
+(FSDP2 unshards every module, the shards forms agree each microbatch's round): when no window was finished since
+an attached optimizer's last step, a clip or step finishes without asking, since a rank that ran no microbatch
+must first join the opening collective the others wait in (:func:`_finish_due`).
 
 **Made right or refused, on every rank.**
 
@@ -28,7 +31,8 @@ each optimizer's last step, missed every loop where no step marks a window's end
   as ``clip_grad_norm_``, over the module's parameters.
 * ``torch.amp.GradScaler.unscale_``, and FSDP's ``ShardedGradScaler.unscale_`` (its own method, wrapped once
   ``torch.distributed.fsdp.sharded_grad_scaler`` is imported): a reader like a clip, and its scale readied on a
-  rank that ran no microbatch in the window.
+  rank that ran no microbatch in the window. ``GradScaler.step`` (both scalers'): a step it skips for an inf or
+  NaN is marked like a step, as the window it finished is spent.
 * ``torch.nn.utils.clip_grads_with_norm_`` over held parameters: always refused, since its norm was
   computed before (torchtitan and Accelerate call ``get_total_norm([p.grad ...])``, which saw no gradient).
 * an optimizer step over held parameters of an accumulator not attached to it: refused. A step while no window
@@ -39,8 +43,9 @@ each optimizer's last step, missed every loop where no step marks a window's end
   accumulator, so it is not guarded itself; the clip that follows it is.
 
 **Mechanism.** While at least one accumulator is alive (registered at construction, unregistered by
-``close()`` or when it is garbage-collected), the four functions above are replaced in ``torch.nn.utils``
-(and ``torch.nn.utils.clip_grad``) by wrappers that check, then call the original; and a global optimizer
+``close()`` or when it is garbage-collected), the clips above are replaced in ``torch.nn.utils`` (and
+``torch.nn.utils.clip_grad``) and the scalers' methods on their classes by wrappers that check, then call the
+original; and a global optimizer
 step pre- and post-hook (the public ``torch.optim.optimizer.register_optimizer_step_pre_hook``) checks each
 optimizer's step and marks an attached one's. Frameworks look these functions up as attributes of
 ``torch.nn.utils`` when they call them (HF Trainer through Accelerate, Lightning's precision plugins,
