@@ -93,6 +93,9 @@ def main() -> None:
                 start, consumed = None, []
             optimizer.step()
             optimizer.zero_grad()
+    # the process group closed before the interpreter exits: left to the exit, gloo's threads were once torn down
+    # mid-flight under load ("terminate called without an active exception", the rank's exit status -6)
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
