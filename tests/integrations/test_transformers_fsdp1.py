@@ -38,6 +38,7 @@ CLIP = 0.2  # below both steps' true norms (asserted): every step clipped
 CASES: dict[str, hf.Case] = {
     "exact/orig": {"exact": True, "clip": CLIP},  # use_orig_params=True, the Trainer's default
     "exact/flat": {"exact": True, "clip": CLIP, "orig": False},  # FSDP1's flat parameters
+    "exact/avg_off": {"exact": True, "clip": CLIP, "avg_tokens": False},  # where the Trainer alone is off
     # even_batches=False, 9 microbatches dealt out: rank 0 runs 5, rank 1 4 (its last window of 1 beside rank 0's of 2)
     "exact/uneven_microbatches": {"exact": True, "clip": CLIP, "even_batches": False, "rows": 18},
     "exact/shard_grad_op": {"exact": True, "clip": CLIP, "strategy": "SHARD_GRAD_OP"},
@@ -68,7 +69,7 @@ def test_the_trainer_built_fsdp1(world: dict[str, Any]) -> None:
         assert [s["sequences"] for s in got["steps"]] == want, name
 
 
-@pytest.mark.parametrize("config", ["orig", "flat", "uneven_microbatches", "shard_grad_op"])
+@pytest.mark.parametrize("config", ["orig", "flat", "avg_off", "uneven_microbatches", "shard_grad_op"])
 def test_every_step_is_the_full_batch_mean_clipped(world: dict[str, Any], config: str) -> None:
     """exact(trainer) under FSDP1: each step's gradient, after FSDP1's own clip, is the float64 full batch's clipped
     token mean; the clip acted on every step; the logged loss and grad_norm are the window's true ones."""
