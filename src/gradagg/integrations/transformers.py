@@ -22,7 +22,8 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
   shards form, :mod:`gradagg.torch.accumulate.wrappers.fsdp1`), or transformers' own FSDP2, a model sharded at load
   time by ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=...))``. On a CPU machine
   Accelerate's FSDP plugin gives DDP: the FSDP1 path ran on 2 gloo CPU ranks with Accelerate's state set as on a GPU
-  (``tests/integrations/workers/hf_fsdp1.py``), FULL_SHARD and SHARD_GRAD_OP, ``use_orig_params`` True and False.
+  (``tests/integrations/workers/hf_fsdp1.py``), FULL_SHARD and SHARD_GRAD_OP, ``use_orig_params`` True and False;
+  not on a GPU.
   The Trainer marks the window's last microbatch (``accelerator.sync_gradients``); after it, ``finish()`` runs
   there, so the clip (``max_grad_norm``) and the logged ``grad_norm`` see the exact gradient. That step returns
   the window's token mean as its loss (the others 0), so the logged ``loss`` is the true token mean. At
