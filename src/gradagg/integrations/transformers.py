@@ -16,18 +16,26 @@ the Trainer's overridable methods only (they are replaced on the instance, so su
   own count) and is multiplied by the count, a sum;
   ``loss_is_scaled_for_ga = True`` keeps the Trainer from dividing it by the window's length.
 * ``training_step`` runs inside a :class:`~gradagg.torch.MicrobatchAccumulator` microbatch weighted by the count,
-  built on the first step around the model as the Trainer prepared it: DDP (``accelerator.prepare``), or
-  transformers' own FSDP2, a model sharded at load time by ``from_pretrained(...,
-  distributed_config=DistributedConfig(fsdp_size=...))`` (on a CPU machine Accelerate's FSDP plugin gives DDP).
+  built on the first step around the model as the Trainer prepared it: DDP (``accelerator.prepare``), FSDP1
+  (``fsdp="full_shard"`` with ``fsdp_config={"version": 1}``: Accelerate's FSDP plugin with ``fsdp_version=1``, the
+  root :class:`~torch.distributed.fsdp.FullyShardedDataParallel` its ``prepare`` built; the accumulator's FSDP1
+  shards form, :mod:`gradagg.torch.accumulate.wrappers.fsdp1`), or transformers' own FSDP2, a model sharded at load
+  time by ``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=...))``. On a CPU machine
+  Accelerate's FSDP plugin gives DDP: the FSDP1 path ran on 2 gloo CPU ranks with Accelerate's state set as on a GPU
+  (``tests/integrations/workers/hf_fsdp1.py``), FULL_SHARD and SHARD_GRAD_OP, ``use_orig_params`` True and False;
+  not on a GPU.
   The Trainer marks the window's last microbatch (``accelerator.sync_gradients``); after it, ``finish()`` runs
   there, so the clip (``max_grad_norm``) and the logged ``grad_norm`` see the exact gradient. That step returns
   the window's token mean as its loss (the others 0), so the logged ``loss`` is the true token mean. At
   ``on_train_end`` the accumulator is closed (DDP and FSDP get their own synchronisation back).
 * ``accelerator.no_sync`` does nothing while gradagg holds DDP's and FSDP2's synchronisation itself (FSDP2's
-  ``no_sync`` would turn FSDP's reduction back on at its end). For transformers' own FSDP2 the Trainer defers
-  FSDP's reduction itself around every microbatch but the window's last (``set_requires_gradient_sync(False)``);
-  gradagg reduce-scatters every microbatch, so ``training_step`` turns it back on inside that context, through
-  the public ``FSDPModule.set_requires_gradient_sync``. A callback checks at ``on_pre_optimizer_step`` that the
+  ``no_sync`` would turn FSDP's reduction back on at its end). Under FSDP1 it would keep whole unsharded gradients
+  through the window; without it FSDP1 reduce-scatters every microbatch through gradagg's summing communication
+  hook, at sharded-gradient memory, and the clip is FSDP1's own ``clip_grad_norm_`` on the finished window.
+  For transformers' own FSDP2 the Trainer defers FSDP's reduction itself around every microbatch but the
+  window's last (``set_requires_gradient_sync(False)``); gradagg reduce-scatters every microbatch, so
+  ``training_step`` turns it back on inside that context, through the public
+  ``FSDPModule.set_requires_gradient_sync``. A callback checks at ``on_pre_optimizer_step`` that the
   window was finished.
 * DDP's buffer broadcast is turned off when every buffer is non-persistent (derived from the config, e.g.
   Llama's rotary ``inv_freq``: the same on every rank by construction) and ``ddp_broadcast_buffers`` was not
@@ -100,14 +108,16 @@ def exact(trainer: Any, *, weight: Weight | None = None) -> Any:
     Raises:
         GradaggError: not a Trainer; ``exact()`` already applied; ``train()`` already ran; a setup gradagg does
             not make exact (DeepSpeed ZeRO stage 0, fp16, bf16 with ``data_types.grad_accum_dtype`` other than bf16 or
-            ``bf16.check_grad_overflow`` false, or with a TRL trainer; FSDP version 1,
-            ``DataParallel`` over several GPUs, tensor, context or sequence parallelism, a MoE auxiliary loss); a
+            ``bf16.check_grad_overflow`` false, or with a TRL trainer; ``DataParallel`` over several GPUs,
+            tensor, context or sequence parallelism, a MoE auxiliary loss); a
             TRL trainer other than ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, a ``DPOTrainer`` whose
             ``loss_type`` is not a per-pair mean, a ``GRPOTrainer`` given
             ``weight=`` or that :func:`gradagg.integrations._grpo.check_grpo` refuses; a model or
             ``compute_loss_func`` whose loss it cannot count without ``weight``. At the start of ``train()``, on
             every rank: a TRL trainer whose ranks have different numbers of microbatches, another whose ranks have
-            different numbers of optimizer steps per epoch. During ``train()``: a
+            different numbers of optimizer steps per epoch. At the first step, on every rank: an FSDP1 model the
+            accumulator refuses (:func:`gradagg.torch.accumulate.wrappers.fsdp1.refusal`: ``NO_SHARD``, bf16 or fp16
+            parameters, ``keep_low_precision_grads``). During ``train()``: a
             count that is not a number (at once), or a negative, NaN or infinite one (``WindowError`` from the
             window's ``finish()``, on every rank).
     """
@@ -441,8 +451,6 @@ def _check_setup(trainer: Any) -> None:
     reasons = []
     if trainer.is_deepspeed_enabled:
         reasons.extend(_deepspeed_problems(trainer))
-    if trainer.is_fsdp_enabled and getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-        reasons.append("FSDP version 1 (use fsdp_config={'fsdp_version': 2})")
     if trainer.args.n_gpu > 1:
         reasons.append(f"DataParallel over {trainer.args.n_gpu} GPUs (launch one process per GPU instead)")
     if max(trainer.get_tp_size(), trainer.get_cp_size(), trainer.get_sp_size()) > 1:

@@ -15,7 +15,8 @@ mean over the unshifted labels; ``"tagging_div"`` and ``"tagging_or1"``, the sam
 ``bad`` (a count that cannot count, on one rank: ``{"rank", "at", "value"}``, see :func:`bad_count`), ``rows`` (the
 number of sequences, both ranks together, instead of 20) with ``even_batches`` (Accelerate's; False: a rank may run
 one microbatch more), ``two`` (two optimizers in one container, :class:`TwoOptimizers`), ``bf16`` (the Trainer's
-``bf16=True``; all cases of a world alike).
+``bf16=True``; all cases of a world alike), ``fsdp1`` (``fsdp="full_shard"`` with ``fsdp_config={"version": 1}``,
+``orig`` its ``use_orig_params``: the worlds of :mod:`.hf_fsdp1`, which also reads ``strategy``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def training_args(case: Case, out: str) -> Any:
     )
     if case.get("bf16"):  # the Trainer's switch: its forward under bf16 autocast (a world of its own: Accelerate's
         options["bf16"] = True  # state takes one mixed precision per process)
+    if case.get("fsdp1"):  # FSDP1 through Accelerate's plugin (see .hf_fsdp1); orig: use_orig_params
+        options["fsdp"] = "full_shard"
+        options["fsdp_config"] = {"version": 1, "use_orig_params": case.get("orig", True), "sync_module_states": False}
     if "even_batches" in case:  # False: Accelerate deals the batches out in turn, a rank may get one more
         options["accelerator_config"] = {"even_batches": case["even_batches"]}
     if case.get("trainer") == "sft":
