@@ -1,10 +1,11 @@
-"""The training checks on CUDA and NCCL: plain, DDP, FSDP2 and HSDP accumulation against the full batch.
+"""The training checks on CUDA and NCCL: plain, DDP, FSDP2, FSDP1 and HSDP accumulation against the full batch.
 
 Run: ``.venv/bin/python bench/nccl_check.py`` on a machine with CUDA (``--gloo``: the same checks on 4
 CPU gloo ranks, to try the script without a GPU). One rank per GPU, up to 4:
 with 2 or more GPUs the ranks run uneven microbatch counts (one rank none) with token weights, under a
 plain module, DDP and FSDP2 (the default shards form, gradagg padding the short ranks; the window form; the
-every-microbatch name with padding by hand); with 4, HSDP on a (2, 2) mesh as well.
+every-microbatch name with padding by hand; the window form attached to an optimizer in a plain loop, the clip
+finishing it), and FSDP1 (``FULL_SHARD``, nested units, gradagg padding); with 4, HSDP on a (2, 2) mesh as well.
 With one GPU, a one-rank NCCL world runs the same code paths (buffers and DTensors on the device, no
 cross-rank traffic). Each check compares with one forward/backward of the whole batch in float64 on the
 CPU; the tolerance is 1e-10 (float64 sums in another order, on another device's kernels). Exit status: 0
@@ -67,6 +68,40 @@ def _run(model: nn.Module, acc: MicrobatchAccumulator, mine: list[Any], device: 
     acc.finish()
 
 
+def _attached(model: nn.Module, mine: list[Any], device: torch.device) -> None:
+    """A framework's loop: ``attach(optimizer)``, a plain ``for`` over this rank's microbatches (none on rank 0),
+    no ``finish()``: the clip finishes the window (rank 0 joining FSDP2's opening all-gathers there)."""
+    acc = MicrobatchAccumulator(model, fsdp="window")
+    acc.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    for b in mine:
+        with acc.microbatch(weight=int(b[2].sum())):
+            loss_sum(model, b, device).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # given the unsharded tensors on ranks that ran one
+
+
+def _fsdp1(device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(make_model().to(device), device_id=device, use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def _fsdp1_error(model: nn.Module, want: list[torch.Tensor]) -> float:
+    """The gradient FSDP1's shards hold, read whole as an SGD step of rate 1 (``before - after``, exact in float64)
+    between two ``summon_full_params`` (with ``with_grads=True`` FSDP1's own gradient gather aborted gloo here on 4
+    ranks, every rank's flat gradient present: not investigated)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def full() -> list[torch.Tensor]:
+        with FSDP.summon_full_params(model):
+            return [p.detach().cpu().clone() for p in model.parameters()]
+
+    before = full()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return max(float((b - a - w).abs().max()) for b, a, w in zip(before, full(), want, strict=True))
+
+
 def _error(model: nn.Module, want: list[torch.Tensor]) -> float:
     worst = 0.0
     for p, w in zip(model.parameters(), want):
@@ -113,6 +148,12 @@ def checks() -> dict[str, float]:
     every = _fsdp(mesh, device)
     _run(every, MicrobatchAccumulator(every, fsdp="every_microbatch"), mine, device, pad=max(counts) - len(mine))
     out["FSDP2 every_microbatch, zero-weight padding"] = _error(every, want)
+    attached = _fsdp(mesh, device)
+    _attached(attached, mine, device)
+    out["FSDP2 window attached, a plain loop, the clip finishes"] = _error(attached, want)
+    fsdp1 = _fsdp1(device)
+    _run(fsdp1, MicrobatchAccumulator(fsdp1), mine, device)
+    out["FSDP1 FULL_SHARD (NO_SHARD on one rank), uneven, gradagg pads"] = _fsdp1_error(fsdp1, want)
     if world == 4:
         hsdp = _fsdp(init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard")), device)
         _run(hsdp, MicrobatchAccumulator(hsdp), mine, device)

@@ -51,7 +51,7 @@ def test_fsdp2_example_as_a_script() -> None:
 
 
 def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
-    """bench/nccl_check.py: a stated skip (exit 0) without CUDA; with --gloo its seven checks pass on 4 CPU ranks,
+    """bench/nccl_check.py: a stated skip (exit 0) without CUDA; with --gloo its nine checks pass on 4 CPU ranks,
     and with --memory --quick it prints a line per form of bench/bench_fsdp.py (one run for both: the checks
     come first in it)."""
     import torch
@@ -64,7 +64,7 @@ def test_nccl_check_script_skips_without_cuda_and_passes_on_gloo() -> None:
                           capture_output=True, text=True, cwd=ROOT, env=LOOPBACK, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     checks = re.findall(r"max error ([0-9.e+-]+)\s+ok$", done.stdout, re.M)
-    assert len(checks) == 7 and all(float(e) <= 1e-10 for e in checks), done.stdout
+    assert len(checks) == 9 and all(float(e) <= 1e-10 for e in checks), done.stdout
     forms = re.findall(r"^  (.+?)\s+peak .* step ", done.stdout, re.M)
     assert forms == FSDP_FORMS, done.stdout
 
