@@ -89,8 +89,8 @@ def _fsdp1(device: torch.device) -> nn.Module:
 
 def _fsdp1_error(model: nn.Module, want: list[torch.Tensor]) -> float:
     """The gradient FSDP1's shards hold, read whole as an SGD step of rate 1 (``before - after``, exact in float64)
-    between two ``summon_full_params`` (with ``with_grads=True`` FSDP1's own gradient gather aborted gloo here on 4
-    ranks, every rank's flat gradient present: not investigated)."""
+    between two ``summon_full_params`` (with ``with_grads=True`` FSDP1's own gradient gather aborts gloo on this
+    model on 4 ranks, with or without gradagg: seen, not investigated further)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     def full() -> list[torch.Tensor]:
