@@ -76,13 +76,23 @@ def relative_error(got: dict[str, Any], want: dict[str, Any]) -> float:
 
 def no_hang(every: list[list[dict[str, Any]]], plan: Plan) -> None:
     """Every step of every rank, the failed ones and their retries included, returned within its group's torchft
-    timeout + 5 s (the issue's bound: a rank waits out at most one timeout, then the retry's quorum and sums)."""
+    timeout per attempt + 5 s (the issue's bound, per attempt: each attempt, a retry or the last quorum that learns
+    a window's fate, waits out at most one timeout; a refused step counts one). A rank's first step also waits in its
+    first quorum for its peers to start, which torchft bounds by its quorum timeout (under load: 11 s once)."""
     group = [g for g in range(plan.groups) for _ in range(plan.size(g))]
     for rank, records in enumerate(every):
         for rec in records:
             if "elapsed" in rec:
-                bound = plan.timeout(group[rank]) + 5.0
+                attempts = rec["report"].attempts if "report" in rec else 1
+                startup = ft.QUORUM_TIMEOUT_S if rec["iteration"] == 0 else 0.0
+                bound = attempts * plan.timeout(group[rank]) + 5.0 + startup
                 assert rec["elapsed"] <= bound, (rank, rec["iteration"], rec["elapsed"], bound)
+
+
+def _every_report(every: list[list[dict[str, Any]]]) -> list[str]:
+    """Each rank's reports, for a failure's message: what every group said of every step."""
+    return [f"rank {rank}: {r.text()} | per slot {r.per_participant}, keys {r.keys}, applied_in {r.applied_in}"
+            for rank, records in enumerate(every) for r in reports(records)]
 
 
 def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[str]]:
@@ -104,7 +114,7 @@ def check_run(every: list[list[dict[str, Any]]], plan: Plan) -> dict[int, list[s
             start = next(r["start"] for rs in every for r in rs if "report" in r and r["report"].committed
                          and r["report"].participating and r["report"].step == rep.step)
             err = relative_error(rec["grads"], truth(start, applied[rep.step]))
-            assert err <= TOLERANCE, (rep.text(), err)
+            assert err <= TOLERANCE, "\n".join([f"{rep.text()}: relative error {err:.3g}", *_every_report(every)])
     for records in every:
         for rec in records:
             rep = rec.get("report")
@@ -402,3 +412,21 @@ def test_fsdp2_inside_each_group(dies: bool) -> None:
         assert all(r.committed and r.applied for r in reps) and [r.step for r in reps] == list(range(plan.steps))
         assert [r.attempts for r in reps] == ([1, 2, 1] if dies else [1, 1]), [r.text() for r in reps]
         assert [len(r.per_participant) for r in reps] == ([2, 1, 1] if dies else [2, 2])
+
+
+@pytest.mark.parametrize("async_quorum", [True, False])
+def test_a_retry_whose_own_commit_fails_after_its_data_reached_the_others(async_quorum: bool) -> None:
+    """The disagreement on the last attempt (seen once in CI, under load): group 1 fails locally at step 1 (sends
+    nothing), so both groups retry step 1; in the retry group 1's all-reduce completes, then its own commit fails,
+    while group 0 commits step 1 with group 1's window in it. With no retry left group 1 reported the window skipped
+    (re-fed: counted twice). It now takes one more quorum, sending nothing: the heal from group 0 brings the record,
+    and group 1 reports the window applied in step 1."""
+    plan = Plan(groups=2, steps=3, local_error=(1, 1), late_error=(1, 1), late_error_at=2, per_window=(1, 2),
+                samples=(6, 6), timeouts=(3.0, 3.0), async_quorum=async_quorum)
+    every = run(plan, min_replicas=2)
+    applied = check_run(every, plan)
+    g0, g1 = reports(every[0]), reports(every[1])
+    assert g0[1].committed and g0[1].step == 1 and g0[1].attempts == 2 and len(g0[1].per_participant) == 2, g0[1]
+    late = g1[1]
+    assert late.applied_in == 1 and late.skipped == () and late.attempts == 3, late.text()
+    assert set(late.keys) <= set(applied[1])

@@ -44,7 +44,8 @@ and the group commits the others' step with them, never two steps for one. Every
 in its counts, and each group keeps the tokens of the steps it committed in the state torchft hands a healing
 group (``register_state_dict_fn("gradagg", ...)``): a group whose own commit failed after its data reached the
 others learns at its retry's heal that they committed it, and reports it applied there, not skipped (re-fed, it
-would count twice). When every attempt fails the gradients are dropped (None) and the optimizer must not step;
+would count twice); where that was the last attempt, one more quorum (sending nothing) heals it (see
+``ReplicaGroups._resolve``). When every attempt fails the gradients are dropped (None) and the optimizer must not step;
 ``retries=0`` is torchft's own behaviour (it cannot tell a window the others committed from one nobody did).
 
 The :class:`StepReport` says what happened: committed or not, why not, this group's tokens and microbatches, the
@@ -219,7 +220,25 @@ class ReplicaGroups:
             attempt = self._reduce(mine, slots, step, usable)
             if not attempt.failure:
                 return self._commit(mine, keys, attempt, first_step, n + 1)
+        if self.retries and attempt.sent:
+            return self._resolve(mine, keys, first_step, 2 + self.retries)
         return self._drop(mine, keys, attempt, first_step, 1 + self.retries)
+
+    def _resolve(self, mine: _Group, keys: tuple[Hashable, ...], first_step: int, attempts: int) -> StepReport:
+        """The last attempt failed after this group's window went out: the others may have committed it (their
+        ``should_commit()`` is their own). One more quorum, sending nothing, tells: a group that committed it is a
+        step ahead, so the quorum heals this one and brings their record of committed windows (the window is then
+        applied there, not skipped: re-fed, it would count twice); at the same step no group committed it. This
+        group then takes part in that quorum's step with zeros, as a stale retry does."""
+        self.manager.start_quorum()
+        slots = self.manager.num_participants()
+        attempt = self._reduce(mine, slots, self.manager.current_step(), False)
+        if not attempt.failure:
+            why = None if attempt.step != first_step else (
+                f"its last attempt failed after the window went out, and one more quorum found no group had committed "
+                f"step {first_step} with it")
+            return self._commit(mine, keys, attempt, first_step, attempts, why)
+        return self._drop(mine, keys, attempt, first_step, attempts)
 
     def abandon(self, why: str) -> StepReport:
         """Drop this rank's window locally (a group failing on its own, before it leaves) and report it skipped.
@@ -376,8 +395,9 @@ class ReplicaGroups:
         return bool(flag.item())
 
     def _commit(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,
-                attempts: int) -> StepReport:
-        """The step committed: the gradients hold its mean; say where this group's window went."""
+                attempts: int, why: str | None = None) -> StepReport:
+        """The step committed: the gradients hold its mean; say where this group's window went (``why``: the reason
+        it was not applied, where the caller knows it better than the attempt count)."""
         total = attempt.total
         assert total is not None
         made = self._made(mine, keys, attempt, attempts, divisor=total.divisor)
@@ -386,9 +406,9 @@ class ReplicaGroups:
         elsewhere = self._applied_elsewhere(mine, first_step)
         if elsewhere is not None:
             return self._keep(StepReport(committed=True, applied_in=elsewhere, **made))
-        why = ("not participating (healing, or a spare): this group's data sat the step out" if attempts == 1 else
-               f"stale: the retry's quorum healed this group (step {first_step} -> {attempt.step}): its window was "
-               "computed on parameters the step no longer holds")
+        why = why or ("not participating (healing, or a spare): this group's data sat the step out" if attempts == 1
+                      else f"stale: the retry's quorum healed this group (step {first_step} -> {attempt.step}): its "
+                      "window was computed on parameters the step no longer holds")
         return self._keep(StepReport(committed=True, skipped=keys, reason=why, **made))
 
     def _drop(self, mine: _Group, keys: tuple[Hashable, ...], attempt: _Attempt, first_step: int,

@@ -27,12 +27,16 @@ from gradagg.errors import GradaggError
 IN_DIM, OUT_DIM = 4, 3
 
 
+QUORUM_TIMEOUT_S = 20.0  # torchft's quorum timeout here: a rank's first quorum waits for its peers to start
+
+
 @dataclass(frozen=True)
 class Plan:
     """One scenario. ``fail``: (group, iteration): that group abandons that iteration's window after ``fail_after``
     microbatches (all of them: it dies at its all-reduce) and leaves. ``join``: (group, k): that group starts once
     group 0 committed k steps, and heals. ``late_error``: (group, iteration): that group reports an error to its
-    manager after its all-reduce completed (its data reached the others; its own commit fails). ``local_error``:
+    manager after its all-reduce completed (its data reached the others; its own commit fails), at the
+    ``late_error_at``-th ``should_commit()`` of that ``finish()`` (2: the retry's). ``local_error``:
     (group, iteration): that group reports an error before its all-reduce (it sends nothing; the others wait for
     it until their timeout, ``timeouts`` by group). ``measure``: each step also runs torchft's own averaging (group
     token means, ``manager.allreduce`` AVG). ``retries``: given to ``exact()``. ``sizes``: ranks per group, when
@@ -49,6 +53,7 @@ class Plan:
     fail: tuple[int, int] | None = None
     fail_after: int = 1
     late_error: tuple[int, int] | None = None
+    late_error_at: int = 1  # which should_commit() of that finish() gets the late error: 2 is the retry's
     local_error: tuple[int, int] | None = None
     timeouts: tuple[float, ...] = ()
     retries: int = 1
@@ -183,7 +188,7 @@ def _group(lighthouse: str, port: int, plan: Plan, g: int, r: int, inner: Any) -
         load_state_dict=net.load_state_dict, state_dict=net.state_dict, replica_id=f"g{g}", store_addr="127.0.0.1",
         store_port=port, rank=r, world_size=plan.size(g), lighthouse_addr=lighthouse,
         use_async_quorum=plan.async_quorum, init_sync=plan.init_sync, timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=20), connect_timeout=timeout,
+        quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timeout,
     )
     ft = exact(manager, MicrobatchAccumulator(net, group=inner), group=f"g{g}", retries=plan.retries)
     return net, opt, manager, ft, pg
@@ -249,7 +254,7 @@ def _steps(plan: Plan, g: int, r: int, net: Net, opt: torch.optim.Optimizer, man
         if plan.local_error == (g, it):
             manager.report_error(RuntimeError("injected: a local error before the all-reduce"))
         if plan.late_error == (g, it):
-            _error_at_commit(manager)
+            _error_at_commit(manager, plan.late_error_at)
         try:
             report = ft.finish()
         except GradaggError as e:
@@ -277,13 +282,17 @@ def _params(net: Net) -> dict[str, torch.Tensor]:
     return {n: _full(p.detach()).clone() for n, p in net.named_parameters()}
 
 
-def _error_at_commit(manager: Any) -> None:
-    """The next ``should_commit()`` first reports a local error: the all-reduce before it completed everywhere."""
+def _error_at_commit(manager: Any, nth: int = 1) -> None:
+    """The ``nth`` next ``should_commit()`` first reports a local error: the all-reduce before it completed
+    everywhere."""
     commit = manager.should_commit
+    calls = [0]
 
     def once(*args: Any, **kwargs: Any) -> bool:
-        manager.should_commit = commit
-        manager.report_error(RuntimeError("injected: a local error after the all-reduce"))
+        calls[0] += 1
+        if calls[0] == nth:
+            manager.should_commit = commit
+            manager.report_error(RuntimeError("injected: a local error after the all-reduce"))
         return bool(commit(*args, **kwargs))
 
     manager.should_commit = once
