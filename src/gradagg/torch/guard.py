@@ -260,10 +260,11 @@ def due(state: State, optimizer: Any) -> bool:
     gradient or an unreduced one."""
     what = f"{type(optimizer).__name__}.step()"
     entry = entry_of(state)
-    if _finish_due(entry, state) and entry.marks.get(optimizer) == state.finished:
+    unfinished = entry.marks.get(optimizer) == state.finished  # no window finished since its last step
+    if unfinished and _finish_due(entry, state):
         _refuse_inside(state, what)
         return True
-    return agree(state, what) or entry.marks.get(optimizer) == state.finished
+    return agree(state, what) or unfinished
 
 
 def _finish_due(entry: Entry, state: State) -> bool:

@@ -53,6 +53,20 @@ def full(model: nn.Module, form: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def stepped(model: nn.Module, form: str, opt: torch.optim.Optimizer, before: dict[str, torch.Tensor]
+            ) -> dict[str, torch.Tensor]:
+    """The gradient ``opt`` (SGD of rate 1) steps, read whole as ``before - after`` (exact in float64); the step is
+    then undone and the gradients dropped, so that each window's truth starts from the initial weights."""
+    opt.step()
+    after = full(model, form)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad)
+    model.zero_grad()
+    return {n: before[n] - after[n] for n in before}
+
+
 def attached_world(form: str) -> list[Any]:
     """Per window of :data:`WINDOWS`: the stepped gradient's error against the float64 truth (with the clip's norm
     against the truth's), or the error the window raised (the empty one)."""
@@ -75,18 +89,11 @@ def attached_world(form: str) -> list[Any]:
                 lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c))
             norm = float(clip(1e9))  # type: ignore[operator]
             before = full(model, form)  # after the clip: inside the window FSDP's parameters are another form
-            opt.step()
+            got = stepped(model, form, opt, before)
         except GradaggError as exc:
             out.append(f"{type(exc).__name__}: {exc}")
             acc.discard()
             continue
-        after = full(model, form)
-        with torch.no_grad():  # undo the step: each window's truth starts from the initial weights
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad)
-        model.zero_grad()
-        got = {n: before[n] - after[n] for n in before}
         want = fsdp1.truth(window)
         want_norm = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in want.values()])))
         out.append({"error": fsdp1.error(got, want), "norm": abs(norm - want_norm) / want_norm})

@@ -49,15 +49,7 @@ def two_forwards_world(form: str) -> list[Any]:
             with acc.microbatch(weight=int(batch[3].sum())):
                 two_forward_loss(model, batch, dtype).backward()
         acc.finish()
-        before = attached_forms.full(model, form)
-        opt.step()
-        after = attached_forms.full(model, form)
-        with torch.no_grad():  # undo the step: each window's truth starts from the initial weights
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad)
-        model.zero_grad()
-        got = {n: before[n] - after[n] for n in before}
+        got = attached_forms.stepped(model, form, opt, attached_forms.full(model, form))
         out.append({"error": fsdp1.error(got, fsdp1.truth(window)), "padded": acc.state.padded_last})
     acc.close()
     return out
